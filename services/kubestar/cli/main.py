@@ -1,0 +1,20 @@
+"""The `kubestar` command."""
+
+from __future__ import annotations
+
+import click
+
+from kubestar.cli.sandbox import sandbox
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="kubestar")
+def cli() -> None:
+    """kubestar: agentic RL with a code tool, on Kubernetes or one machine."""
+
+
+cli.add_command(sandbox)
+
+
+def main() -> None:
+    cli()

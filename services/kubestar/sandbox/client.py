@@ -1,0 +1,146 @@
+"""Python client of the sandbox service."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from kubestar.sandbox.metrics import status_label
+from kubestar.v1 import sandbox_pb2 as pb
+from kubestar.v1 import sandbox_pb2_grpc as pb_grpc
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One tool call. Zero limits take the server's defaults."""
+
+    code: str
+    id: str = ""
+    stdin: str = ""
+    timeout_seconds: float = 0.0
+    memory_bytes: int = 0
+    output_bytes: int = 0
+
+
+def _to_execution(call: Call | str, call_id: str) -> pb.Execution:
+    if isinstance(call, str):
+        call = Call(code=call)
+    return pb.Execution(
+        id=call.id or call_id,
+        code=call.code,
+        stdin=call.stdin,
+        limits=pb.ExecutionLimits(timeout_seconds=call.timeout_seconds,
+                                  memory_bytes=call.memory_bytes,
+                                  output_bytes=call.output_bytes),
+    )
+
+
+def result_to_dict(result: pb.ExecutionResult) -> dict[str, object]:
+    return {
+        "id": result.id,
+        "status": status_label(result.status),
+        "exit_code": result.exit_code,
+        "stdout": result.stdout,
+        "stderr": result.stderr,
+        "stdout_truncated": result.stdout_truncated,
+        "stderr_truncated": result.stderr_truncated,
+        "wall_ms": round(result.wall_ms, 3),
+        "cpu_ms": round(result.cpu_ms, 3),
+        "message": result.message,
+        "executor": result.executor,
+        "attempts": result.attempts,
+    }
+
+
+class SandboxClient:
+    """Blocking and async access to a sandbox endpoint (dispatcher or worker).
+
+    Ids are filled in when a call has none; results of `execute_batch` are in call order.
+    """
+
+    def __init__(self, endpoint: str, timeout: float | None = None) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._ids = itertools.count()
+        self._channel = grpc.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.SandboxServiceStub(self._channel)
+        self._async_channel: grpc.aio.Channel | None = None
+        self._async_stub: pb_grpc.SandboxServiceStub | None = None
+
+    def _next_id(self) -> str:
+        return f"call-{next(self._ids)}"
+
+    def execute(self, call: Call | str) -> pb.ExecutionResult:
+        request = pb.ExecuteRequest(execution=_to_execution(call, self._next_id()))
+        response: pb.ExecuteResponse = self._stub.Execute(request, timeout=self.timeout)
+        return response.result
+
+    def execute_batch(self, calls: Sequence[Call | str]) -> list[pb.ExecutionResult]:
+        request = pb.ExecuteBatchRequest(
+            executions=[_to_execution(call, self._next_id()) for call in calls])
+        response: pb.ExecuteBatchResponse = self._stub.ExecuteBatch(request, timeout=self.timeout)
+        return list(response.results)
+
+    def capacity(self) -> pb.GetCapacityResponse:
+        response: pb.GetCapacityResponse = self._stub.GetCapacity(
+            pb.GetCapacityRequest(), timeout=self.timeout)
+        return response
+
+    def _aio_stub(self) -> pb_grpc.SandboxServiceStub:
+        # Created lazily, inside the event loop that uses it.
+        if self._async_stub is None:
+            self._async_channel = grpc.aio.insecure_channel(self.endpoint,
+                                                            options=_CHANNEL_OPTIONS)
+            self._async_stub = pb_grpc.SandboxServiceStub(self._async_channel)
+        return self._async_stub
+
+    async def aexecute(self, call: Call | str) -> pb.ExecutionResult:
+        request = pb.ExecuteRequest(execution=_to_execution(call, self._next_id()))
+        response = await self._aio_stub().Execute(request, timeout=self.timeout)
+        return response.result
+
+    async def aexecute_batch(self, calls: Sequence[Call | str]) -> list[pb.ExecutionResult]:
+        request = pb.ExecuteBatchRequest(
+            executions=[_to_execution(call, self._next_id()) for call in calls])
+        response = await self._aio_stub().ExecuteBatch(request, timeout=self.timeout)
+        return list(response.results)
+
+    async def aexecute_stream(self, calls: Sequence[Call | str]) -> list[pb.ExecutionResult]:
+        """Send calls over one stream; returns results in call order once all arrived."""
+        executions = [_to_execution(call, self._next_id()) for call in calls]
+
+        async def requests():  # type: ignore[no-untyped-def]
+            for execution in executions:
+                yield pb.ExecuteStreamRequest(execution=execution)
+
+        by_id: dict[str, pb.ExecutionResult] = {}
+        async for response in self._aio_stub().ExecuteStream(requests(), timeout=self.timeout):
+            by_id[response.result.id] = response.result
+        return [by_id[execution.id] for execution in executions]
+
+    def close(self) -> None:
+        self._channel.close()
+
+    async def aclose(self) -> None:
+        if self._async_channel is not None:
+            await self._async_channel.close()
+            self._async_channel = None
+            self._async_stub = None
+
+    def __enter__(self) -> SandboxClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["Call", "SandboxClient", "result_to_dict"]

@@ -1,0 +1,52 @@
+"""Per-call limits and the server's defaults and ceilings for them."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class CallLimits:
+    """Limits of one call, after defaults were applied and ceilings checked."""
+
+    timeout_seconds: float = 10.0
+    memory_bytes: int = 512 * MiB
+    output_bytes: int = 64 * 1024
+
+
+@dataclass(frozen=True)
+class LimitPolicy:
+    """What a server applies when a request leaves a limit at zero, and the most it allows."""
+
+    default: CallLimits = CallLimits()
+    maximum: CallLimits = CallLimits(timeout_seconds=300.0, memory_bytes=8192 * MiB,
+                                     output_bytes=16 * MiB)
+    max_code_bytes: int = 1 * MiB
+    max_stdin_bytes: int = 4 * MiB
+    # Limits of the whole call process tree, not negotiable per request.
+    max_processes: int = 32
+    max_file_bytes: int = 64 * MiB
+    max_open_files: int = 256
+
+    def resolve(self, timeout_seconds: float, memory_bytes: int, output_bytes: int) -> CallLimits:
+        """Fill zeros with defaults; raise ValueError naming the field for bad values."""
+        values = {
+            "timeout_seconds": timeout_seconds,
+            "memory_bytes": memory_bytes,
+            "output_bytes": output_bytes,
+        }
+        resolved = {}
+        for name, value in values.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"limits.{name} must be a finite number, got {value}")
+            if value < 0:
+                raise ValueError(f"limits.{name} must not be negative, got {value}")
+            ceiling = getattr(self.maximum, name)
+            if value > ceiling:
+                raise ValueError(f"limits.{name}={value} exceeds this server's maximum {ceiling}")
+            resolved[name] = value if value else getattr(self.default, name)
+        return dataclasses.replace(self.default, **resolved)

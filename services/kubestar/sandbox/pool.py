@@ -1,0 +1,168 @@
+"""A worker's pool of executors: queueing, retries on executor death, results."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from kubestar.sandbox import metrics
+from kubestar.sandbox.backend import Backend, make_result, validate
+from kubestar.sandbox.executor import Executor, ExecutorConfig, ExecutorDied
+from kubestar.sandbox.limits import LimitPolicy
+from kubestar.v1 import sandbox_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+STATUS_BY_NAME = {
+    "ok": pb.EXECUTION_STATUS_OK,
+    "error": pb.EXECUTION_STATUS_ERROR,
+    "timeout": pb.EXECUTION_STATUS_TIMEOUT,
+    "memory": pb.EXECUTION_STATUS_MEMORY,
+    "output-limit": pb.EXECUTION_STATUS_OUTPUT_LIMIT,
+}
+# A call is started at most this many times when its executor dies under it.
+MAX_ATTEMPTS = 3
+
+
+class ExecutorPool(Backend):
+    """Runs calls on N pre-warmed executors; a call waits at most `queue_timeout` for one."""
+
+    def __init__(self, executors: int, config: ExecutorConfig | None = None,
+                 queue_timeout: float = 30.0, name: str = "worker") -> None:
+        self.config = config or ExecutorConfig()
+        self.policy: LimitPolicy = self.config.policy
+        self.queue_timeout = queue_timeout
+        self.name = name
+        self.executors = [Executor(i, self.config, f"{name}/") for i in range(executors)]
+        self._idle: asyncio.Queue[Executor] = asyncio.Queue()
+        self._in_flight = 0
+        self._queued = 0
+        self._draining = False
+
+    @property
+    def capacity(self) -> int:
+        return len(self.executors)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    async def start(self) -> None:
+        await asyncio.gather(*(executor.start() for executor in self.executors))
+        for executor in self.executors:
+            self._idle.put_nowait(executor)
+        isolation = self.executors[0].isolation
+        log.info("sandbox executors ready", extra={"fields": {
+            "executors": self.capacity, "preload": list(self.config.preload), **isolation}})
+        for note in isolation.get("notes", []):
+            log.warning("sandbox isolation: %s", note)
+        metrics.CAPACITY.set(self.capacity)
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(executor.stop() for executor in self.executors))
+
+    async def drain(self, grace_seconds: float) -> None:
+        """Stop taking calls; wait for the ones running to finish."""
+        self._draining = True
+        deadline = time.monotonic() + grace_seconds
+        while (self._in_flight or self._queued) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def execute(self, execution: pb.Execution) -> pb.ExecutionResult:
+        started = time.monotonic()
+        try:
+            limits = validate(execution, self.policy)
+        except ValueError as error:
+            return self._finish(make_result(execution.id, pb.EXECUTION_STATUS_INVALID,
+                                            str(error)), started)
+        if self._draining:
+            return self._finish(make_result(execution.id, pb.EXECUTION_STATUS_INTERNAL,
+                                            "the worker is shutting down"), started)
+        attempts = 0
+        while True:
+            executor = await self._acquire(started)
+            if executor is None:
+                return self._finish(make_result(
+                    execution.id, pb.EXECUTION_STATUS_QUEUE_TIMEOUT,
+                    f"no executor became free within {self.queue_timeout:g}s"), started)
+            attempts += 1
+            self._in_flight += 1
+            metrics.IN_FLIGHT.inc()
+            try:
+                answer = await executor.run(execution.code, execution.stdin, limits)
+            except ExecutorDied as error:
+                log.warning("executor died; restarting it", extra={"fields": {
+                    "executor": executor.name, "call": execution.id, "error": str(error)}})
+                metrics.EXECUTOR_RESTARTS.inc()
+                answer = None
+                await self._restart(executor)
+            finally:
+                self._in_flight -= 1
+                metrics.IN_FLIGHT.dec()
+            if answer is not None:
+                self._idle.put_nowait(executor)
+                return self._finish(self._to_result(execution.id, answer, executor, attempts),
+                                    started)
+            if attempts >= MAX_ATTEMPTS:
+                return self._finish(make_result(
+                    execution.id, pb.EXECUTION_STATUS_INTERNAL,
+                    f"the executor died {attempts} times while running this call"), started)
+
+    async def _acquire(self, started: float) -> Executor | None:
+        remaining = self.queue_timeout - (time.monotonic() - started)
+        if self._idle.empty() and remaining <= 0:
+            return None
+        self._queued += 1
+        metrics.QUEUE_DEPTH.inc()
+        try:
+            return await asyncio.wait_for(self._idle.get(), max(remaining, 0.0))
+        except TimeoutError:
+            return None
+        finally:
+            self._queued -= 1
+            metrics.QUEUE_DEPTH.dec()
+
+    async def _restart(self, executor: Executor) -> None:
+        await executor.stop()
+        try:
+            await executor.start()
+        except Exception:
+            log.exception("executor restart failed; retrying in the background")
+            asyncio.get_running_loop().create_task(self._restart_later(executor))
+            return
+        self._idle.put_nowait(executor)
+
+    async def _restart_later(self, executor: Executor) -> None:
+        await asyncio.sleep(1.0)
+        await self._restart(executor)
+
+    def _to_result(self, call_id: str, answer: dict[str, Any], executor: Executor,
+                   attempts: int) -> pb.ExecutionResult:
+        return pb.ExecutionResult(
+            id=call_id,
+            status=STATUS_BY_NAME[answer["status"]],
+            exit_code=answer["exit_code"],
+            stdout=answer["stdout"].decode("utf-8", "replace"),
+            stderr=answer["stderr"].decode("utf-8", "replace"),
+            stdout_truncated=answer["stdout_truncated"],
+            stderr_truncated=answer["stderr_truncated"],
+            wall_ms=answer["wall_ms"],
+            cpu_ms=answer["cpu_ms"],
+            message=answer["message"],
+            executor=executor.name,
+            attempts=attempts,
+        )
+
+    def _finish(self, result: pb.ExecutionResult, started: float) -> pb.ExecutionResult:
+        metrics.observe_result(result, time.monotonic() - started)
+        return result
+
+    async def get_capacity(self) -> pb.GetCapacityResponse:
+        return pb.GetCapacityResponse(capacity=self.capacity, in_flight=self._in_flight,
+                                      queued=self._queued, ready_workers=1)

@@ -1,0 +1,97 @@
+"""Run a sandbox server: a worker (local executors), a dispatcher (remote workers), or both."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import start_http_server
+
+from kubestar.sandbox.backend import Backend
+from kubestar.sandbox.dispatcher import WorkerDispatcher
+from kubestar.sandbox.executor import ExecutorConfig
+from kubestar.sandbox.pool import ExecutorPool
+from kubestar.sandbox.service import SandboxServicer
+from kubestar.v1 import sandbox_pb2
+from kubestar.v1 import sandbox_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = sandbox_pb2.DESCRIPTOR.services_by_name["SandboxService"].full_name
+# Batches of large outputs must fit in one message.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+
+@dataclass
+class ServerConfig:
+    listen: str = "127.0.0.1:50051"
+    # Remote workers make this a dispatcher; none makes it a worker with local executors.
+    workers: list[str] = field(default_factory=list)
+    executors: int = 4
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    queue_timeout: float = 30.0
+    metrics_port: int = 0  # 0: no metrics endpoint
+    metrics_address: str = "127.0.0.1"
+    drain_seconds: float = 30.0
+
+
+def build_backend(config: ServerConfig) -> Backend:
+    if config.workers:
+        return WorkerDispatcher(config.workers, config.executor.policy, config.queue_timeout)
+    return ExecutorPool(config.executors, config.executor, config.queue_timeout)
+
+
+class SandboxServer:
+    """A started server; `port` is the bound port (useful with port 0 in tests)."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.backend = build_backend(config)
+        self.server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ])
+        self.health = health.aio.HealthServicer()
+        self.port = 0
+
+    async def start(self) -> None:
+        await self.backend.start()
+        pb_grpc.add_SandboxServiceServicer_to_server(SandboxServicer(self.backend), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(self.config.listen)
+        await self.server.start()
+        if self.config.metrics_port:
+            start_http_server(self.config.metrics_port, addr=self.config.metrics_address)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        role = "dispatcher" if self.config.workers else "worker"
+        log.info("sandbox serving", extra={"fields": {
+            "role": role, "listen": self.config.listen, "port": self.port,
+            "workers": self.config.workers, "executors": self.config.executors,
+            "metrics_port": self.config.metrics_port}})
+
+    async def stop(self, grace_seconds: float | None = None) -> None:
+        """Graceful drain: report NOT_SERVING, finish running calls, then close."""
+        grace = self.config.drain_seconds if grace_seconds is None else grace_seconds
+        await self.health.enter_graceful_shutdown()
+        await self.backend.drain(grace)
+        await self.server.stop(grace=1.0)
+        await self.backend.stop()
+        log.info("sandbox stopped")
+
+
+async def serve(config: ServerConfig) -> None:
+    server = SandboxServer(config)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("draining on signal")
+    await server.stop()
