@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from typing import TextIO
 
 import click
-
 from kubestar.common import logs
 from kubestar.sandbox.client import Call, SandboxClient, result_to_dict
 from kubestar.sandbox.executor import ExecutorConfig
@@ -22,57 +22,117 @@ def sandbox() -> None:
 
 
 @sandbox.command("serve")
-@click.option("--listen", default="127.0.0.1:50051", show_default=True,
-              help="gRPC address to bind.")
-@click.option("--executors", default=4, show_default=True,
-              help="Pre-warmed executor processes (a worker's capacity).")
-@click.option("--worker", "workers", multiple=True, metavar="HOST:PORT",
-              help="Dispatch to these workers instead of running calls here (repeatable).")
-@click.option("--preload", default="numpy,sympy", show_default=True,
-              help="Modules every executor imports once, comma-separated.")
-@click.option("--queue-timeout", default=30.0, show_default=True,
-              help="Seconds a call may wait for an executor before QUEUE_TIMEOUT.")
+@click.option(
+    "--listen", default="127.0.0.1:50051", show_default=True, help="gRPC address to bind."
+)
+@click.option(
+    "--executors",
+    default=4,
+    show_default=True,
+    help="Pre-warmed executor processes (a worker's capacity).",
+)
+@click.option(
+    "--worker",
+    "workers",
+    multiple=True,
+    metavar="HOST:PORT",
+    help="Dispatch to these workers instead of running calls here (repeatable).",
+)
+@click.option(
+    "--preload",
+    default="numpy,sympy",
+    show_default=True,
+    help="Modules every executor imports once, comma-separated.",
+)
+@click.option(
+    "--queue-timeout",
+    default=30.0,
+    show_default=True,
+    help="Seconds a call may wait for an executor before QUEUE_TIMEOUT.",
+)
 @click.option("--metrics-port", default=0, help="Prometheus metrics port (0: off).")
 @click.option("--metrics-address", default="127.0.0.1", show_default=True)
 @click.option("--no-isolation", is_flag=True, help="Run calls without namespaces (debug only).")
 @click.option("--hide", multiple=True, help="Extra path hidden from calls (repeatable).")
-@click.option("--uid-base", default=61000, show_default=True,
-              help="As root, executor i runs calls as uid UID_BASE+i.")
-@click.option("--drain-seconds", default=30.0, show_default=True,
-              help="On SIGTERM, how long running calls may finish.")
+@click.option(
+    "--uid-base",
+    default=61000,
+    show_default=True,
+    help="As root, executor i runs calls as uid UID_BASE+i.",
+)
+@click.option(
+    "--drain-seconds",
+    default=30.0,
+    show_default=True,
+    help="On SIGTERM, how long running calls may finish.",
+)
 @click.option("--log-level", default="info", show_default=True)
-def serve_command(listen: str, executors: int, workers: tuple[str, ...], preload: str,
-                  queue_timeout: float, metrics_port: int, metrics_address: str,
-                  no_isolation: bool, hide: tuple[str, ...], uid_base: int,
-                  drain_seconds: float, log_level: str) -> None:
+def serve_command(
+    listen: str,
+    executors: int,
+    workers: tuple[str, ...],
+    preload: str,
+    queue_timeout: float,
+    metrics_port: int,
+    metrics_address: str,
+    no_isolation: bool,
+    hide: tuple[str, ...],
+    uid_base: int,
+    drain_seconds: float,
+    log_level: str,
+) -> None:
     """Serve the sandbox: a worker (default) or, with --worker, a dispatcher."""
     logs.configure(log_level)
     executor = ExecutorConfig(
         preload=tuple(m for m in preload.split(",") if m),
-        isolation=not no_isolation, uid_base=uid_base, hidden_paths=hide)
-    config = ServerConfig(listen=listen, workers=list(workers), executors=executors,
-                          executor=executor, queue_timeout=queue_timeout,
-                          metrics_port=metrics_port, metrics_address=metrics_address,
-                          drain_seconds=drain_seconds)
+        isolation=not no_isolation,
+        uid_base=uid_base,
+        hidden_paths=hide,
+    )
+    config = ServerConfig(
+        listen=listen,
+        workers=list(workers),
+        executors=executors,
+        executor=executor,
+        queue_timeout=queue_timeout,
+        metrics_port=metrics_port,
+        metrics_address=metrics_address,
+        drain_seconds=drain_seconds,
+    )
     asyncio.run(serve(config))
 
 
 @sandbox.command("exec")
 @click.argument("source", type=click.File("r"), default="-")
 @click.option("--endpoint", default="127.0.0.1:50051", show_default=True, help="HOST:PORT")
-@click.option("--timeout", "timeout_seconds", default=0.0,
-              help="Wall-clock limit in seconds (0: the server's default).")
+@click.option(
+    "--timeout",
+    "timeout_seconds",
+    default=0.0,
+    help="Wall-clock limit in seconds (0: the server's default).",
+)
 @click.option("--memory-mb", default=0, help="Memory limit in MiB (0: the server's default).")
 @click.option("--stdin", "stdin_text", default="", help="Text given to the code on stdin.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
-def exec_command(source: click.utils.LazyFile, endpoint: str, timeout_seconds: float,
-                 memory_mb: int, stdin_text: str, as_json: bool) -> None:
+def exec_command(
+    source: TextIO,
+    endpoint: str,
+    timeout_seconds: float,
+    memory_mb: int,
+    stdin_text: str,
+    as_json: bool,
+) -> None:
     """Run Python from FILE (or - for stdin) in the sandbox and print the result.
 
     Exits 0 when the call's status is ok, 1 otherwise.
     """
-    call = Call(code=source.read(), id="cli", stdin=stdin_text, timeout_seconds=timeout_seconds,
-                memory_bytes=memory_mb * 1024 * 1024)
+    call = Call(
+        code=source.read(),
+        id="cli",
+        stdin=stdin_text,
+        timeout_seconds=timeout_seconds,
+        memory_bytes=memory_mb * 1024 * 1024,
+    )
     with SandboxClient(endpoint) as client:
         result = client.execute(call)
     if as_json:

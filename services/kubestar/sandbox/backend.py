@@ -27,11 +27,13 @@ class Backend(abc.ABC):
     async def get_capacity(self) -> pb.GetCapacityResponse: ...
 
 
-def make_result(call_id: str, status: pb.ExecutionStatus.ValueType, message: str,
-                attempts: int = 0) -> pb.ExecutionResult:
+def make_result(
+    call_id: str, status: pb.ExecutionStatus, message: str, attempts: int = 0
+) -> pb.ExecutionResult:
     """A result for a call that did not run to completion in an executor."""
-    return pb.ExecutionResult(id=call_id, status=status, message=message, exit_code=-1,
-                              attempts=attempts)
+    return pb.ExecutionResult(
+        id=call_id, status=status, message=message, exit_code=-1, attempts=attempts
+    )
 
 
 def validate(execution: pb.Execution, policy: LimitPolicy) -> CallLimits:
@@ -45,7 +47,6 @@ def validate(execution: pb.Execution, policy: LimitPolicy) -> CallLimits:
         raise ValueError("code contains a NUL byte")
     stdin_bytes = len(execution.stdin.encode())
     if stdin_bytes > policy.max_stdin_bytes:
-        raise ValueError(
-            f"stdin is {stdin_bytes} bytes; the maximum is {policy.max_stdin_bytes}")
+        raise ValueError(f"stdin is {stdin_bytes} bytes; the maximum is {policy.max_stdin_bytes}")
     limits = execution.limits
     return policy.resolve(limits.timeout_seconds, limits.memory_bytes, limits.output_bytes)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
-
 from kubestar.sandbox.metrics import status_label
 from kubestar.v1 import sandbox_pb2 as pb
 from kubestar.v1 import sandbox_pb2_grpc as pb_grpc
@@ -38,9 +37,11 @@ def _to_execution(call: Call | str, call_id: str) -> pb.Execution:
         id=call.id or call_id,
         code=call.code,
         stdin=call.stdin,
-        limits=pb.ExecutionLimits(timeout_seconds=call.timeout_seconds,
-                                  memory_bytes=call.memory_bytes,
-                                  output_bytes=call.output_bytes),
+        limits=pb.ExecutionLimits(
+            timeout_seconds=call.timeout_seconds,
+            memory_bytes=call.memory_bytes,
+            output_bytes=call.output_bytes,
+        ),
     )
 
 
@@ -86,31 +87,33 @@ class SandboxClient:
 
     def execute_batch(self, calls: Sequence[Call | str]) -> list[pb.ExecutionResult]:
         request = pb.ExecuteBatchRequest(
-            executions=[_to_execution(call, self._next_id()) for call in calls])
+            executions=[_to_execution(call, self._next_id()) for call in calls]
+        )
         response: pb.ExecuteBatchResponse = self._stub.ExecuteBatch(request, timeout=self.timeout)
         return list(response.results)
 
     def capacity(self) -> pb.GetCapacityResponse:
         response: pb.GetCapacityResponse = self._stub.GetCapacity(
-            pb.GetCapacityRequest(), timeout=self.timeout)
+            pb.GetCapacityRequest(), timeout=self.timeout
+        )
         return response
 
     def _aio_stub(self) -> pb_grpc.SandboxServiceStub:
         # Created lazily, inside the event loop that uses it.
         if self._async_stub is None:
-            self._async_channel = grpc.aio.insecure_channel(self.endpoint,
-                                                            options=_CHANNEL_OPTIONS)
+            self._async_channel = grpc.aio.insecure_channel(self.endpoint, options=_CHANNEL_OPTIONS)
             self._async_stub = pb_grpc.SandboxServiceStub(self._async_channel)
         return self._async_stub
 
     async def aexecute(self, call: Call | str) -> pb.ExecutionResult:
         request = pb.ExecuteRequest(execution=_to_execution(call, self._next_id()))
-        response = await self._aio_stub().Execute(request, timeout=self.timeout)
+        response: pb.ExecuteResponse = await self._aio_stub().Execute(request, timeout=self.timeout)
         return response.result
 
     async def aexecute_batch(self, calls: Sequence[Call | str]) -> list[pb.ExecutionResult]:
         request = pb.ExecuteBatchRequest(
-            executions=[_to_execution(call, self._next_id()) for call in calls])
+            executions=[_to_execution(call, self._next_id()) for call in calls]
+        )
         response = await self._aio_stub().ExecuteBatch(request, timeout=self.timeout)
         return list(response.results)
 
@@ -118,7 +121,7 @@ class SandboxClient:
         """Send calls over one stream; returns results in call order once all arrived."""
         executions = [_to_execution(call, self._next_id()) for call in calls]
 
-        async def requests():  # type: ignore[no-untyped-def]
+        async def requests() -> AsyncIterator[pb.ExecuteStreamRequest]:
             for execution in executions:
                 yield pb.ExecuteStreamRequest(execution=execution)
 

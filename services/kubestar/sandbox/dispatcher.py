@@ -13,7 +13,6 @@ import logging
 import time
 
 import grpc
-
 from kubestar.sandbox import metrics
 from kubestar.sandbox.backend import Backend, make_result, validate
 from kubestar.sandbox.limits import LimitPolicy
@@ -81,8 +80,10 @@ class WorkerLink:
                 raise
             except Exception as error:  # any transport failure: the worker is gone for now
                 if self.ready:
-                    log.warning("sandbox worker lost", extra={"fields": {
-                        "endpoint": self.endpoint, "error": repr(error)}})
+                    log.warning(
+                        "sandbox worker lost",
+                        extra={"fields": {"endpoint": self.endpoint, "error": repr(error)}},
+                    )
             await self._set_ready(False)
             lost = WorkerLost(f"worker {self.endpoint} went away")
             for future in self._pending.values():
@@ -93,14 +94,17 @@ class WorkerLink:
     async def _session(self) -> None:
         async with grpc.aio.insecure_channel(self.endpoint) as channel:
             stub = pb_grpc.SandboxServiceStub(channel)
-            capacity = await stub.GetCapacity(pb.GetCapacityRequest(),
-                                              timeout=CONNECT_TIMEOUT_SECONDS)
+            capacity = await stub.GetCapacity(
+                pb.GetCapacityRequest(), timeout=CONNECT_TIMEOUT_SECONDS
+            )
             stream = stub.ExecuteStream()
             self.capacity = capacity.capacity
             # Calls queued for a previous session were failed and retried already.
             self._outbox = asyncio.Queue()
-            log.info("sandbox worker ready", extra={"fields": {
-                "endpoint": self.endpoint, "capacity": self.capacity}})
+            log.info(
+                "sandbox worker ready",
+                extra={"fields": {"endpoint": self.endpoint, "capacity": self.capacity}},
+            )
             await self._set_ready(True)
             writer = asyncio.create_task(self._write(stream))
             try:
@@ -124,8 +128,9 @@ class WorkerLink:
 
 
 class WorkerDispatcher(Backend):
-    def __init__(self, endpoints: list[str], policy: LimitPolicy | None = None,
-                 queue_timeout: float = 30.0) -> None:
+    def __init__(
+        self, endpoints: list[str], policy: LimitPolicy | None = None, queue_timeout: float = 30.0
+    ) -> None:
         self.policy = policy or LimitPolicy()
         self.queue_timeout = queue_timeout
         self._changed = asyncio.Condition()
@@ -151,40 +156,56 @@ class WorkerDispatcher(Backend):
 
     async def wait_ready(self, workers: int, timeout: float) -> None:
         async with self._changed:
-            await asyncio.wait_for(self._changed.wait_for(
-                lambda: sum(link.ready for link in self.links) >= workers), timeout)
+            await asyncio.wait_for(
+                self._changed.wait_for(lambda: sum(link.ready for link in self.links) >= workers),
+                timeout,
+            )
 
     async def execute(self, execution: pb.Execution) -> pb.ExecutionResult:
         started = time.monotonic()
         try:
             validate(execution, self.policy)
         except ValueError as error:
-            return self._finish(make_result(execution.id, pb.EXECUTION_STATUS_INVALID,
-                                            str(error)), started)
+            return self._finish(
+                make_result(execution.id, pb.EXECUTION_STATUS_INVALID, str(error)), started
+            )
         if self._draining:
-            return self._finish(make_result(execution.id, pb.EXECUTION_STATUS_INTERNAL,
-                                            "the dispatcher is shutting down"), started)
+            return self._finish(
+                make_result(
+                    execution.id, pb.EXECUTION_STATUS_INTERNAL, "the dispatcher is shutting down"
+                ),
+                started,
+            )
         attempts = 0
         while True:
             link = await self._acquire(started + self.queue_timeout)
             if link is None:
                 if not any(link.ready for link in self.links):
-                    status, message = (pb.EXECUTION_STATUS_INTERNAL,
-                                       "no sandbox worker is reachable")
+                    status, message = (
+                        pb.EXECUTION_STATUS_INTERNAL,
+                        "no sandbox worker is reachable",
+                    )
                 else:
-                    status, message = (pb.EXECUTION_STATUS_QUEUE_TIMEOUT,
-                                       f"no worker had room within {self.queue_timeout:g}s")
-                return self._finish(make_result(execution.id, status, message, attempts),
-                                    started)
+                    status, message = (
+                        pb.EXECUTION_STATUS_QUEUE_TIMEOUT,
+                        f"no worker had room within {self.queue_timeout:g}s",
+                    )
+                return self._finish(make_result(execution.id, status, message, attempts), started)
             attempts += 1
             try:
                 result = await link.submit(execution)
             except WorkerLost as error:
                 metrics.RETRIES.inc()
                 if attempts >= MAX_ATTEMPTS:
-                    return self._finish(make_result(
-                        execution.id, pb.EXECUTION_STATUS_INTERNAL,
-                        f"{error}; gave up after {attempts} attempts", attempts), started)
+                    return self._finish(
+                        make_result(
+                            execution.id,
+                            pb.EXECUTION_STATUS_INTERNAL,
+                            f"{error}; gave up after {attempts} attempts",
+                            attempts,
+                        ),
+                        started,
+                    )
                 continue
             finally:
                 await self._release(link)
@@ -196,6 +217,7 @@ class WorkerDispatcher(Backend):
         metrics.QUEUE_DEPTH.inc()
         try:
             async with self._changed:
+
                 def most_free() -> WorkerLink | None:
                     best = max(self.links, key=lambda link: link.free, default=None)
                     return best if best is not None and best.free > 0 else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import marshal
 import os
@@ -84,14 +85,23 @@ class Executor:
         uid = self.config.uid_base + self.index if os.geteuid() == 0 else 0
         policy = self.config.policy
         args = [
-            sys.executable, "-m", "kubestar.sandbox.zygote",
-            "--fd", str(theirs.fileno()),
-            "--uid", str(uid),
-            "--preload", ",".join(self.config.preload),
-            "--warmup", self.config.warmup,
-            "--max-processes", str(policy.max_processes),
-            "--max-file-bytes", str(policy.max_file_bytes),
-            "--max-open-files", str(policy.max_open_files),
+            sys.executable,
+            "-m",
+            "kubestar.sandbox.zygote",
+            "--fd",
+            str(theirs.fileno()),
+            "--uid",
+            str(uid),
+            "--preload",
+            ",".join(self.config.preload),
+            "--warmup",
+            self.config.warmup,
+            "--max-processes",
+            str(policy.max_processes),
+            "--max-file-bytes",
+            str(policy.max_file_bytes),
+            "--max-open-files",
+            str(policy.max_open_files),
         ]
         for path in self.config.hidden_paths:
             args += ["--hide", path]
@@ -100,8 +110,12 @@ class Executor:
         env = dict(EXECUTOR_ENV)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         self.process = await asyncio.create_subprocess_exec(
-            *args, pass_fds=[theirs.fileno()], env=env, cwd="/",
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            *args,
+            pass_fds=[theirs.fileno()],
+            env=env,
+            cwd="/",
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
         )
         theirs.close()
         self._reader, self._writer = await asyncio.open_connection(sock=ours)
@@ -142,8 +156,6 @@ class Executor:
             self._writer.close()
             self._writer = None
         if self.process is not None and self.process.returncode is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 self.process.kill()
-            except ProcessLookupError:
-                pass
             await self.process.wait()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -23,8 +22,9 @@ class LimitPolicy:
     """What a server applies when a request leaves a limit at zero, and the most it allows."""
 
     default: CallLimits = CallLimits()
-    maximum: CallLimits = CallLimits(timeout_seconds=300.0, memory_bytes=8192 * MiB,
-                                     output_bytes=16 * MiB)
+    maximum: CallLimits = CallLimits(
+        timeout_seconds=300.0, memory_bytes=8192 * MiB, output_bytes=16 * MiB
+    )
     max_code_bytes: int = 1 * MiB
     max_stdin_bytes: int = 4 * MiB
     # Limits of the whole call process tree, not negotiable per request.
@@ -39,7 +39,7 @@ class LimitPolicy:
             "memory_bytes": memory_bytes,
             "output_bytes": output_bytes,
         }
-        resolved = {}
+        resolved: dict[str, float | int] = {}
         for name, value in values.items():
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"limits.{name} must be a finite number, got {value}")
@@ -49,4 +49,8 @@ class LimitPolicy:
             if value > ceiling:
                 raise ValueError(f"limits.{name}={value} exceeds this server's maximum {ceiling}")
             resolved[name] = value if value else getattr(self.default, name)
-        return dataclasses.replace(self.default, **resolved)
+        return CallLimits(
+            timeout_seconds=float(resolved["timeout_seconds"]),
+            memory_bytes=int(resolved["memory_bytes"]),
+            output_bytes=int(resolved["output_bytes"]),
+        )

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
-
 from kubestar.v1 import sandbox_pb2 as pb
+from prometheus_client import Counter, Gauge, Histogram
 
 QUEUE_DEPTH = Gauge("kubestar_sandbox_queue_depth", "Calls waiting for an executor or worker")
 IN_FLIGHT = Gauge("kubestar_sandbox_in_flight", "Calls running now")
@@ -14,15 +13,17 @@ RESULTS = Counter("kubestar_sandbox_results", "Results returned, by status", ["s
 RETRIES = Counter("kubestar_sandbox_retries", "Calls started again after a worker failed")
 EXECUTOR_RESTARTS = Counter("kubestar_sandbox_executor_restarts", "Executors restarted")
 LATENCY = Histogram(
-    "kubestar_sandbox_call_seconds", "Time from receiving a call to its result",
+    "kubestar_sandbox_call_seconds",
+    "Time from receiving a call to its result",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
 
 
-def status_label(status: pb.ExecutionStatus.ValueType) -> str:
+def status_label(status: pb.ExecutionStatus) -> str:
     """`EXECUTION_STATUS_OUTPUT_LIMIT` -> `output-limit`, as the CLI and logs spell it."""
-    return pb.ExecutionStatus.Name(status).removeprefix("EXECUTION_STATUS_").lower().replace(
-        "_", "-")
+    return (
+        pb.ExecutionStatus.Name(status).removeprefix("EXECUTION_STATUS_").lower().replace("_", "-")
+    )
 
 
 def observe_result(result: pb.ExecutionResult, seconds: float) -> None:

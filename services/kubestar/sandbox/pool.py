@@ -29,8 +29,13 @@ MAX_ATTEMPTS = 3
 class ExecutorPool(Backend):
     """Runs calls on N pre-warmed executors; a call waits at most `queue_timeout` for one."""
 
-    def __init__(self, executors: int, config: ExecutorConfig | None = None,
-                 queue_timeout: float = 30.0, name: str = "worker") -> None:
+    def __init__(
+        self,
+        executors: int,
+        config: ExecutorConfig | None = None,
+        queue_timeout: float = 30.0,
+        name: str = "worker",
+    ) -> None:
         self.config = config or ExecutorConfig()
         self.policy: LimitPolicy = self.config.policy
         self.queue_timeout = queue_timeout
@@ -58,8 +63,16 @@ class ExecutorPool(Backend):
         for executor in self.executors:
             self._idle.put_nowait(executor)
         isolation = self.executors[0].isolation
-        log.info("sandbox executors ready", extra={"fields": {
-            "executors": self.capacity, "preload": list(self.config.preload), **isolation}})
+        log.info(
+            "sandbox executors ready",
+            extra={
+                "fields": {
+                    "executors": self.capacity,
+                    "preload": list(self.config.preload),
+                    **isolation,
+                }
+            },
+        )
         for note in isolation.get("notes", []):
             log.warning("sandbox isolation: %s", note)
         metrics.CAPACITY.set(self.capacity)
@@ -79,26 +92,44 @@ class ExecutorPool(Backend):
         try:
             limits = validate(execution, self.policy)
         except ValueError as error:
-            return self._finish(make_result(execution.id, pb.EXECUTION_STATUS_INVALID,
-                                            str(error)), started)
+            return self._finish(
+                make_result(execution.id, pb.EXECUTION_STATUS_INVALID, str(error)), started
+            )
         if self._draining:
-            return self._finish(make_result(execution.id, pb.EXECUTION_STATUS_INTERNAL,
-                                            "the worker is shutting down"), started)
+            return self._finish(
+                make_result(
+                    execution.id, pb.EXECUTION_STATUS_INTERNAL, "the worker is shutting down"
+                ),
+                started,
+            )
         attempts = 0
         while True:
             executor = await self._acquire(started)
             if executor is None:
-                return self._finish(make_result(
-                    execution.id, pb.EXECUTION_STATUS_QUEUE_TIMEOUT,
-                    f"no executor became free within {self.queue_timeout:g}s"), started)
+                return self._finish(
+                    make_result(
+                        execution.id,
+                        pb.EXECUTION_STATUS_QUEUE_TIMEOUT,
+                        f"no executor became free within {self.queue_timeout:g}s",
+                    ),
+                    started,
+                )
             attempts += 1
             self._in_flight += 1
             metrics.IN_FLIGHT.inc()
             try:
                 answer = await executor.run(execution.code, execution.stdin, limits)
             except ExecutorDied as error:
-                log.warning("executor died; restarting it", extra={"fields": {
-                    "executor": executor.name, "call": execution.id, "error": str(error)}})
+                log.warning(
+                    "executor died; restarting it",
+                    extra={
+                        "fields": {
+                            "executor": executor.name,
+                            "call": execution.id,
+                            "error": str(error),
+                        }
+                    },
+                )
                 metrics.EXECUTOR_RESTARTS.inc()
                 answer = None
                 await self._restart(executor)
@@ -107,12 +138,18 @@ class ExecutorPool(Backend):
                 metrics.IN_FLIGHT.dec()
             if answer is not None:
                 self._idle.put_nowait(executor)
-                return self._finish(self._to_result(execution.id, answer, executor, attempts),
-                                    started)
+                return self._finish(
+                    self._to_result(execution.id, answer, executor, attempts), started
+                )
             if attempts >= MAX_ATTEMPTS:
-                return self._finish(make_result(
-                    execution.id, pb.EXECUTION_STATUS_INTERNAL,
-                    f"the executor died {attempts} times while running this call"), started)
+                return self._finish(
+                    make_result(
+                        execution.id,
+                        pb.EXECUTION_STATUS_INTERNAL,
+                        f"the executor died {attempts} times while running this call",
+                    ),
+                    started,
+                )
 
     async def _acquire(self, started: float) -> Executor | None:
         remaining = self.queue_timeout - (time.monotonic() - started)
@@ -142,8 +179,9 @@ class ExecutorPool(Backend):
         await asyncio.sleep(1.0)
         await self._restart(executor)
 
-    def _to_result(self, call_id: str, answer: dict[str, Any], executor: Executor,
-                   attempts: int) -> pb.ExecutionResult:
+    def _to_result(
+        self, call_id: str, answer: dict[str, Any], executor: Executor, attempts: int
+    ) -> pb.ExecutionResult:
         return pb.ExecutionResult(
             id=call_id,
             status=STATUS_BY_NAME[answer["status"]],
@@ -164,5 +202,6 @@ class ExecutorPool(Backend):
         return result
 
     async def get_capacity(self) -> pb.GetCapacityResponse:
-        return pb.GetCapacityResponse(capacity=self.capacity, in_flight=self._in_flight,
-                                      queued=self._queued, ready_workers=1)
+        return pb.GetCapacityResponse(
+            capacity=self.capacity, in_flight=self._in_flight, queued=self._queued, ready_workers=1
+        )

@@ -9,8 +9,6 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import start_http_server
-
 from kubestar.sandbox.backend import Backend
 from kubestar.sandbox.dispatcher import WorkerDispatcher
 from kubestar.sandbox.executor import ExecutorConfig
@@ -18,6 +16,7 @@ from kubestar.sandbox.pool import ExecutorPool
 from kubestar.sandbox.service import SandboxServicer
 from kubestar.v1 import sandbox_pb2
 from kubestar.v1 import sandbox_pb2_grpc as pb_grpc
+from prometheus_client import start_http_server
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +50,13 @@ class SandboxServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.backend = build_backend(config)
-        self.server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0),
-        ])
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
         self.health = health.aio.HealthServicer()
         self.port = 0
 
@@ -70,10 +71,19 @@ class SandboxServer:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         role = "dispatcher" if self.config.workers else "worker"
-        log.info("sandbox serving", extra={"fields": {
-            "role": role, "listen": self.config.listen, "port": self.port,
-            "workers": self.config.workers, "executors": self.config.executors,
-            "metrics_port": self.config.metrics_port}})
+        log.info(
+            "sandbox serving",
+            extra={
+                "fields": {
+                    "role": role,
+                    "listen": self.config.listen,
+                    "port": self.port,
+                    "workers": self.config.workers,
+                    "executors": self.config.executors,
+                    "metrics_port": self.config.metrics_port,
+                }
+            },
+        )
 
     async def stop(self, grace_seconds: float | None = None) -> None:
         """Graceful drain: report NOT_SERVING, finish running calls, then close."""

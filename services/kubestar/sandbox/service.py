@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import grpc
-
 from kubestar.sandbox.backend import Backend, make_result
 from kubestar.v1 import sandbox_pb2 as pb
 from kubestar.v1 import sandbox_pb2_grpc as pb_grpc
@@ -19,34 +18,44 @@ class SandboxServicer(pb_grpc.SandboxServiceServicer):
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
 
-    async def Execute(self, request: pb.ExecuteRequest,
-                      context: grpc.aio.ServicerContext) -> pb.ExecuteResponse:
+    async def Execute(
+        self, request: pb.ExecuteRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ExecuteResponse:
         return pb.ExecuteResponse(result=await self.backend.execute(request.execution))
 
-    async def ExecuteBatch(self, request: pb.ExecuteBatchRequest,
-                           context: grpc.aio.ServicerContext) -> pb.ExecuteBatchResponse:
+    async def ExecuteBatch(
+        self, request: pb.ExecuteBatchRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ExecuteBatchResponse:
         executions = request.executions
         if len(executions) > MAX_BATCH:
             message = f"executions has {len(executions)} calls; the maximum is {MAX_BATCH}"
-            return pb.ExecuteBatchResponse(results=[
-                make_result(e.id, pb.EXECUTION_STATUS_INVALID, message) for e in executions])
+            return pb.ExecuteBatchResponse(
+                results=[
+                    make_result(e.id, pb.EXECUTION_STATUS_INVALID, message) for e in executions
+                ]
+            )
         duplicated = _duplicate_ids(e.id for e in executions)
-        results = await asyncio.gather(*(
-            self._execute_unique(e, duplicated) for e in executions))
+        results = await asyncio.gather(*(self._execute_unique(e, duplicated) for e in executions))
         return pb.ExecuteBatchResponse(results=results)
 
-    async def ExecuteStream(self, request_iterator: AsyncIterator[pb.ExecuteStreamRequest],
-                            context: grpc.aio.ServicerContext
-                            ) -> AsyncIterator[pb.ExecuteStreamResponse]:
+    async def ExecuteStream(
+        self,
+        request_iterator: AsyncIterator[pb.ExecuteStreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.ExecuteStreamResponse]:
         results: asyncio.Queue[pb.ExecutionResult | None] = asyncio.Queue()
         pending: set[asyncio.Task[None]] = set()
         seen: set[str] = set()
 
         async def run(execution: pb.Execution, duplicate: bool) -> None:
             if duplicate:
-                await results.put(make_result(
-                    execution.id, pb.EXECUTION_STATUS_INVALID,
-                    f"id {execution.id!r} is already in use in this stream"))
+                await results.put(
+                    make_result(
+                        execution.id,
+                        pb.EXECUTION_STATUS_INVALID,
+                        f"id {execution.id!r} is already in use in this stream",
+                    )
+                )
             else:
                 await results.put(await self.backend.execute(execution))
 
@@ -72,21 +81,26 @@ class SandboxServicer(pb_grpc.SandboxServiceServicer):
             for task in list(pending):
                 task.cancel()
 
-    async def GetCapacity(self, request: pb.GetCapacityRequest,
-                          context: grpc.aio.ServicerContext) -> pb.GetCapacityResponse:
+    async def GetCapacity(
+        self, request: pb.GetCapacityRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetCapacityResponse:
         return await self.backend.get_capacity()
 
-    async def _execute_unique(self, execution: pb.Execution,
-                              duplicated: set[str]) -> pb.ExecutionResult:
+    async def _execute_unique(
+        self, execution: pb.Execution, duplicated: set[str]
+    ) -> pb.ExecutionResult:
         if execution.id in duplicated:
-            return make_result(execution.id, pb.EXECUTION_STATUS_INVALID,
-                               f"id {execution.id!r} appears more than once in the batch")
+            return make_result(
+                execution.id,
+                pb.EXECUTION_STATUS_INVALID,
+                f"id {execution.id!r} appears more than once in the batch",
+            )
         return await self.backend.execute(execution)
 
 
-def _duplicate_ids(ids: object) -> set[str]:
+def _duplicate_ids(ids: Iterable[str]) -> set[str]:
     seen: set[str] = set()
     duplicated: set[str] = set()
-    for call_id in ids:  # type: ignore[attr-defined]
+    for call_id in ids:
         (duplicated if call_id in seen else seen).add(call_id)
     return duplicated

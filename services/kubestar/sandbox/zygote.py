@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import builtins
+import contextlib
 import ctypes
 import importlib
 import marshal
@@ -190,8 +191,9 @@ def _setup_mounts(isolation: Isolation, hidden_paths: list[str]) -> None:
                 _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=256m,mode=1777")
         for path in [*SECRET_PATHS, *hidden_paths]:
             if os.path.isdir(path):
-                _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                       "size=4k,mode=0755")
+                _mount(
+                    "tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=0755"
+                )
             elif os.path.isfile(path):
                 _mount("/dev/null", path, None, 0x1000, None)  # MS_BIND
     except OSError as error:
@@ -199,8 +201,16 @@ def _setup_mounts(isolation: Isolation, hidden_paths: list[str]) -> None:
 
 
 class Zygote:
-    def __init__(self, sock: socket.socket, uid: int, gid: int, isolation: Isolation,
-                 max_processes: int, max_file_bytes: int, max_open_files: int) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        uid: int,
+        gid: int,
+        isolation: Isolation,
+        max_processes: int,
+        max_file_bytes: int,
+        max_open_files: int,
+    ) -> None:
         self.sock = sock
         self.uid = uid
         self.gid = gid
@@ -225,8 +235,15 @@ class Zygote:
         gc.collect()
         gc.freeze()
         self.baseline_vm_bytes = _virtual_memory_bytes()
-        send_message(self.sock, {"ready": True, "isolation": self.isolation.as_dict(),
-                                 "baseline_vm_bytes": self.baseline_vm_bytes, "pid": os.getpid()})
+        send_message(
+            self.sock,
+            {
+                "ready": True,
+                "isolation": self.isolation.as_dict(),
+                "baseline_vm_bytes": self.baseline_vm_bytes,
+                "pid": os.getpid(),
+            },
+        )
         while True:
             request = receive_message(self.sock)
             if request is None:
@@ -344,8 +361,15 @@ class Zygote:
             "cpu_ms": cpu_ms,
         }
 
-    def _child(self, request: dict[str, Any], workdir: str, stdin_fd: int, out_write: int,
-               err_write: int, report_write: int) -> None:
+    def _child(
+        self,
+        request: dict[str, Any],
+        workdir: str,
+        stdin_fd: int,
+        out_write: int,
+        err_write: int,
+        report_write: int,
+    ) -> None:
         exit_code = 1
         try:
             os.setsid()
@@ -366,7 +390,7 @@ class Zygote:
                 (resource.RLIMIT_NOFILE, (self.max_open_files,) * 2),
                 (resource.RLIMIT_CORE, (0, 0)),
             ]
-            if self.is_root and self.uid or not self.is_root:
+            if (self.is_root and self.uid) or not self.is_root:
                 # Counted per uid: only meaningful when the uid is the call's own.
                 limits.append((resource.RLIMIT_NPROC, (self.max_processes,) * 2))
             for which, value in limits:
@@ -376,10 +400,18 @@ class Zygote:
                 os.setgid(self.gid)
                 os.setuid(self.uid)
             os.environ.clear()
-            os.environ.update({"PATH": CHILD_PATH, "HOME": workdir, "TMPDIR": workdir,
-                               "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8",
-                               "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
-                               "MPLBACKEND": "Agg"})
+            os.environ.update(
+                {
+                    "PATH": CHILD_PATH,
+                    "HOME": workdir,
+                    "TMPDIR": workdir,
+                    "LANG": "C.UTF-8",
+                    "PYTHONIOENCODING": "utf-8",
+                    "OPENBLAS_NUM_THREADS": "1",
+                    "OMP_NUM_THREADS": "1",
+                    "MPLBACKEND": "Agg",
+                }
+            )
             sys.argv = ["<tool_call>"]
             sys.path = [workdir, *[p for p in sys.path if p]]
             code = compile(request["code"], "<tool_call>", "exec")
@@ -430,7 +462,7 @@ def _classify(exit_code: int, report: bytes, cpu_ms: float, timeout: float) -> t
     if exit_code == 0:
         return "ok", ""
     cpu_limit_reached = cpu_ms >= (int(timeout) + 1) * 1000.0
-    if exit_code == -signal.SIGXCPU or exit_code == -signal.SIGKILL and cpu_limit_reached:
+    if exit_code == -signal.SIGXCPU or (exit_code == -signal.SIGKILL and cpu_limit_reached):
         return "timeout", "CPU time limit passed"
     if exit_code == -signal.SIGXFSZ:
         return "error", "file size limit passed"
@@ -455,10 +487,8 @@ def _print_user_traceback(error: BaseException) -> None:
 
 
 def _kill_quietly(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _has_children() -> bool:
@@ -496,10 +526,8 @@ def _empty_directory(path: str, keep: str) -> None:
         if os.path.isdir(full) and not os.path.islink(full):
             shutil.rmtree(full, ignore_errors=True)
         else:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(full)
-            except OSError:
-                pass
 
 
 def _virtual_memory_bytes() -> int:
@@ -538,9 +566,15 @@ def main() -> None:
             exec(compile(args.warmup, "<warmup>", "exec"), {"__name__": "__warmup__"})
         except Exception as error:
             isolation.notes.append(f"warm-up failed: {error!r}")
-    Zygote(sock, uid=args.uid, gid=args.uid, isolation=isolation,
-           max_processes=args.max_processes, max_file_bytes=args.max_file_bytes,
-           max_open_files=args.max_open_files).serve()
+    Zygote(
+        sock,
+        uid=args.uid,
+        gid=args.uid,
+        isolation=isolation,
+        max_processes=args.max_processes,
+        max_file_bytes=args.max_file_bytes,
+        max_open_files=args.max_open_files,
+    ).serve()
 
 
 if __name__ == "__main__":
