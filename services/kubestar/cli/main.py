@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import click
+from kubestar.cli.engine import engine, model
 from kubestar.cli.sandbox import sandbox
 
 
@@ -13,7 +14,13 @@ def cli() -> None:
 
 
 cli.add_command(sandbox)
+cli.add_command(engine)
+cli.add_command(model)
 
 
 def main() -> None:
     cli()
+
+
+if __name__ == "__main__":
+    main()

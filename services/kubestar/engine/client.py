@@ -1,0 +1,120 @@
+"""Async HTTP client of one vLLM engine: token-in/token-out completions, metrics, weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from kubestar.engine.launch import SERVED_MODEL_NAME
+
+
+class EngineError(RuntimeError):
+    """The engine answered with an error or could not be reached."""
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length"
+    stop_reason: str = ""
+    logprobs: list[float] = field(default_factory=list)
+
+
+class EngineClient:
+    def __init__(self, url: str, timeout: float = 600.0) -> None:
+        self.url = url.rstrip("/")
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # One pooled session per engine; unlimited connections (the scheduler limits).
+            self._session = aiohttp.ClientSession(
+                timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _post(self, path: str, body: dict[str, Any] | None = None,
+                    params: dict[str, str] | None = None) -> Any:
+        try:
+            async with self._client().post(f"{self.url}{path}", json=body or {},
+                                           params=params) as response:
+                text = await response.text()
+                if response.status != 200:
+                    raise EngineError(f"{path}: HTTP {response.status}: {text[:500]}")
+                return await response.json(content_type=None) if text else None
+        except (aiohttp.ClientError, TimeoutError, OSError) as error:
+            raise EngineError(f"{path}: {error!r}") from error
+
+    async def complete(self, prompt_token_ids: list[int], max_tokens: int,
+                       temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                       stop: list[str] | None = None, seed: int | None = None,
+                       logprobs: bool = False) -> Completion:
+        body: dict[str, Any] = {
+            "model": SERVED_MODEL_NAME,
+            "prompt": prompt_token_ids,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p or 1.0,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+            "include_stop_str_in_output": True,
+        }
+        if top_k:
+            body["top_k"] = top_k
+        if stop:
+            body["stop"] = stop
+        if seed:
+            body["seed"] = seed
+        if logprobs:
+            body["logprobs"] = 0
+        answer = await self._post("/v1/completions", body)
+        choice = answer["choices"][0]
+        token_logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+        stop_reason = choice.get("stop_reason")
+        return Completion(
+            token_ids=list(choice.get("token_ids") or []),
+            text=choice.get("text") or "",
+            finish_reason=choice.get("finish_reason") or "stop",
+            stop_reason=stop_reason if isinstance(stop_reason, str) else "",
+            logprobs=[float(x) for x in token_logprobs],
+        )
+
+    async def metrics_text(self) -> str:
+        try:
+            async with self._client().get(f"{self.url}/metrics") as response:
+                if response.status != 200:
+                    raise EngineError(f"/metrics: HTTP {response.status}")
+                return await response.text()
+        except (aiohttp.ClientError, TimeoutError, OSError) as error:
+            raise EngineError(f"/metrics: {error!r}") from error
+
+    async def healthy(self) -> bool:
+        try:
+            async with self._client().get(f"{self.url}/health") as response:
+                return response.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+
+    async def reload_weights(self, weights_path: str) -> None:
+        """Load new weights in place (vLLM's reload_weights through its dev RPC endpoint).
+
+        Generation is paused after running requests finish, the weights are read from
+        `weights_path` (a Hugging Face folder every engine can see: local disk or a shared
+        volume), the prefix cache is dropped (its KV came from the old weights), and
+        generation resumes.
+        """
+        await self._post("/pause", params={"mode": "wait"})
+        try:
+            await self._post("/collective_rpc", {"method": "reload_weights",
+                                                 "kwargs": {"weights_path": weights_path}})
+            await self._post("/reset_prefix_cache")
+        finally:
+            await self._post("/resume")

