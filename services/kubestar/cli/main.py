@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import click
 from kubestar.cli.engine import engine, model
+from kubestar.cli.rollout import rollout
 from kubestar.cli.sandbox import sandbox
+from kubestar.cli.scheduler import scheduler
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -14,6 +16,8 @@ def cli() -> None:
 
 
 cli.add_command(sandbox)
+cli.add_command(scheduler)
+cli.add_command(rollout)
 cli.add_command(engine)
 cli.add_command(model)
 

@@ -10,7 +10,7 @@ from typing import TextIO
 import click
 from kubestar.common import logs
 from kubestar.sandbox.client import Call, SandboxClient, result_to_dict
-from kubestar.sandbox.executor import ExecutorConfig
+from kubestar.sandbox.executor import DEFAULT_WARMUP, ExecutorConfig
 from kubestar.sandbox.metrics import status_label
 from kubestar.sandbox.server import ServerConfig, serve
 from kubestar.v1 import sandbox_pb2 as pb
@@ -83,8 +83,11 @@ def serve_command(
 ) -> None:
     """Serve the sandbox: a worker (default) or, with --worker, a dispatcher."""
     logs.configure(log_level)
+    modules = tuple(m for m in preload.split(",") if m)
     executor = ExecutorConfig(
-        preload=tuple(m for m in preload.split(",") if m),
+        preload=modules,
+        # The default warm-up exercises numpy and sympy: only when they are preloaded.
+        warmup=DEFAULT_WARMUP if {"numpy", "sympy"} <= set(modules) else "",
         isolation=not no_isolation,
         uid_base=uid_base,
         hidden_paths=hide,

@@ -13,6 +13,7 @@ import logging
 import time
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kubestar.sandbox import metrics
 from kubestar.sandbox.backend import Backend, make_result, validate
 from kubestar.sandbox.limits import LimitPolicy
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3
 RECONNECT_SECONDS = 0.5
 CONNECT_TIMEOUT_SECONDS = 2.0
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SandboxService"].full_name
 
 
 class WorkerLost(RuntimeError):
@@ -107,6 +109,7 @@ class WorkerLink:
             )
             await self._set_ready(True)
             writer = asyncio.create_task(self._write(stream))
+            watcher = asyncio.create_task(self._watch_health(channel))
             try:
                 async for response in stream:
                     future = self._pending.get(response.result.id)
@@ -115,7 +118,31 @@ class WorkerLink:
                 raise WorkerLost("stream ended")
             finally:
                 writer.cancel()
+                watcher.cancel()
                 stream.cancel()
+
+    async def _watch_health(self, channel: grpc.aio.Channel) -> None:
+        """Route no new calls to a worker that is draining (NOT_SERVING after SIGTERM).
+
+        Its running calls still finish on the open stream; once it exits the stream breaks
+        and the link reconnects when a worker serves on the endpoint again.
+        """
+        stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+        call = stub.Watch(request)
+        try:
+            async for response in call:
+                serving = response.status == health_pb2.HealthCheckResponse.SERVING
+                if serving != self.ready:
+                    if not serving:
+                        log.info(
+                            "sandbox worker draining", extra={"fields": {"endpoint": self.endpoint}}
+                        )
+                    await self._set_ready(serving)
+        except grpc.RpcError:
+            pass  # no health service, or the worker went away (the stream notices that)
+        finally:
+            call.cancel()
 
     async def _write(self, stream: grpc.aio.StreamStreamCall) -> None:  # type: ignore[type-arg]
         while True:
@@ -209,6 +236,13 @@ class WorkerDispatcher(Backend):
                 continue
             finally:
                 await self._release(link)
+            if result.status == pb.EXECUTION_STATUS_INTERNAL and result.attempts == 0:
+                # The worker refused the call without starting it (it began draining before
+                # its health said so): run the call elsewhere.
+                metrics.RETRIES.inc()
+                if attempts < MAX_ATTEMPTS:
+                    continue
+                result.message = f"{result.message}; gave up after {attempts} attempts"
             result.attempts += attempts - 1
             return self._finish(result, started)
 

@@ -137,9 +137,9 @@ class Executor:
         try:
             self._writer.write(HEADER.pack(len(payload)) + payload)
             await self._writer.drain()
-            return await asyncio.wait_for(
-                self._receive(), limits.timeout_seconds + ANSWER_GRACE_SECONDS
-            )
+            # asyncio.timeout, unlike wait_for, does not wrap the read in a task of its own.
+            async with asyncio.timeout(limits.timeout_seconds + ANSWER_GRACE_SECONDS):
+                return await self._receive()
         except (OSError, asyncio.IncompleteReadError, TimeoutError) as error:
             await self.stop()
             raise ExecutorDied(f"{self.name} died during a call: {error!r}") from error

@@ -45,6 +45,9 @@ class ExecutorPool(Backend):
         self._in_flight = 0
         self._queued = 0
         self._draining = False
+        self._stopped = False
+        # Executors still finishing a call whose caller went away (see `_reclaim`).
+        self._reclaiming: set[asyncio.Task[None]] = set()
 
     @property
     def capacity(self) -> int:
@@ -78,6 +81,7 @@ class ExecutorPool(Backend):
         metrics.CAPACITY.set(self.capacity)
 
     async def stop(self) -> None:
+        self._stopped = True
         await asyncio.gather(*(executor.stop() for executor in self.executors))
 
     async def drain(self, grace_seconds: float) -> None:
@@ -117,8 +121,17 @@ class ExecutorPool(Backend):
             attempts += 1
             self._in_flight += 1
             metrics.IN_FLIGHT.inc()
+            run = asyncio.ensure_future(executor.run(execution.code, execution.stdin, limits))
             try:
-                answer = await executor.run(execution.code, execution.stdin, limits)
+                answer = await asyncio.shield(run)
+            except asyncio.CancelledError:
+                # The caller went away (client deadline, broken stream): the executor still
+                # finishes the call and must not be lost, nor answer the next call with this
+                # call's result. It rejoins the pool once its answer was read.
+                task = asyncio.ensure_future(self._reclaim(executor, run))
+                self._reclaiming.add(task)
+                task.add_done_callback(self._reclaiming.discard)
+                raise
             except ExecutorDied as error:
                 log.warning(
                     "executor died; restarting it",
@@ -147,18 +160,23 @@ class ExecutorPool(Backend):
                         execution.id,
                         pb.EXECUTION_STATUS_INTERNAL,
                         f"the executor died {attempts} times while running this call",
+                        attempts,
                     ),
                     started,
                 )
 
     async def _acquire(self, started: float) -> Executor | None:
+        if not self._idle.empty():
+            # An idle executor means nobody is waiting for one: no timer, no task.
+            return self._idle.get_nowait()
         remaining = self.queue_timeout - (time.monotonic() - started)
-        if self._idle.empty() and remaining <= 0:
+        if remaining <= 0:
             return None
         self._queued += 1
         metrics.QUEUE_DEPTH.inc()
         try:
-            return await asyncio.wait_for(self._idle.get(), max(remaining, 0.0))
+            async with asyncio.timeout(remaining):
+                return await self._idle.get()
         except TimeoutError:
             return None
         finally:
@@ -174,6 +192,16 @@ class ExecutorPool(Backend):
             asyncio.get_running_loop().create_task(self._restart_later(executor))
             return
         self._idle.put_nowait(executor)
+
+    async def _reclaim(self, executor: Executor, run: asyncio.Future[dict[str, Any]]) -> None:
+        try:
+            await run
+        except Exception:
+            if not self._stopped:
+                await self._restart(executor)
+            return
+        if not self._stopped:
+            self._idle.put_nowait(executor)
 
     async def _restart_later(self, executor: Executor) -> None:
         await asyncio.sleep(1.0)

@@ -1,0 +1,317 @@
+"""Helpers of the sandbox tests: real servers, in this process or as separate processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Coroutine, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kubestar.sandbox.client import SandboxClient
+from kubestar.sandbox.executor import ExecutorConfig
+from kubestar.sandbox.limits import LimitPolicy
+from kubestar.sandbox.pool import ExecutorPool
+from kubestar.sandbox.server import SERVICE_NAME, SandboxServer, ServerConfig
+from kubestar.v1 import sandbox_pb2 as pb
+
+T = TypeVar("T")
+
+IS_ROOT = os.geteuid() == 0
+requires_root = pytest.mark.skipif(
+    not IS_ROOT,
+    reason="only as root does the sandbox get namespaces and a separate uid for calls",
+)
+REPO = Path(__file__).resolve().parents[2]
+
+# Calls run as an unprivileged uid that may not be able to read the interpreter's standard
+# library (e.g. a pyenv Python under /root, mode 0700), so they can only use modules the
+# executor imported before dropping privileges. Preload the few the tests' calls use; no
+# numpy/sympy, so executors start in a fraction of a second.
+TEST_PRELOAD: tuple[str, ...] = ("glob", "socket", "encodings.idna", "signal")
+
+# Every server gets its own range of uids for its calls: RLIMIT_NPROC counts per uid, so
+# servers (tests, benchmarks running beside them) must not share one.
+_uid_bases = itertools.count(62000 + (os.getpid() % 64) * 64, 8)
+
+
+def next_uid_base() -> int:
+    return next(_uid_bases)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def executor_config(
+    policy: LimitPolicy | None = None,
+    preload: Sequence[str] = TEST_PRELOAD,
+    hidden_paths: Sequence[str] = (),
+) -> ExecutorConfig:
+    return ExecutorConfig(
+        preload=tuple(preload),
+        warmup="",
+        uid_base=next_uid_base(),
+        hidden_paths=tuple(hidden_paths),
+        policy=policy or LimitPolicy(),
+    )
+
+
+class ThreadedServer:
+    """A SandboxServer in this process, on its own event loop in a background thread.
+
+    Tests can then use the blocking client, or the async one on pytest's loop.
+    """
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, name="sandbox-server", daemon=True
+        )
+        self._server: SandboxServer | None = None
+
+    @property
+    def server(self) -> SandboxServer:
+        assert self._server is not None, "server not started"
+        return self._server
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+    def start(self) -> ThreadedServer:
+        self.thread.start()
+
+        async def start() -> SandboxServer:
+            server = SandboxServer(self.config)  # created on the loop that serves it
+            await server.start()
+            return server
+
+        self._server = self.run(start(), timeout=120)
+        return self
+
+    def run(self, coroutine: Coroutine[Any, Any, T], timeout: float = 60) -> T:
+        """Run a coroutine on the server's loop and wait for its value."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def stop(self, grace_seconds: float = 2.0) -> None:
+        async def shutdown(server: SandboxServer) -> None:
+            await server.stop(grace_seconds)
+            # As asyncio.run does: let every task left (gRPC's own included) finish cancelling.
+            tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.loop.shutdown_asyncgens()
+
+        try:
+            if self._server is not None:
+                self.run(shutdown(self._server), timeout=grace_seconds + 30)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            if not self.thread.is_alive():
+                self.loop.close()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children first-level first), read from /proc."""
+    found: list[int] = []
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as handle:
+                    children = [int(child) for child in handle.read().split()]
+            except OSError:
+                continue
+            found += children
+            frontier += children
+    return found
+
+
+def process_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            state = handle.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def wait_serving(endpoint: str, timeout: float, process: subprocess.Popen[bytes] | None) -> None:
+    """Wait until the gRPC health check of `endpoint` says SERVING."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(endpoint) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"server process exited with {process.returncode}")
+            try:
+                response = stub.Check(
+                    health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=1.0
+                )
+                if response.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{endpoint} did not become SERVING within {timeout}s")
+            time.sleep(0.1)
+
+
+def cli_command(*args: str) -> list[str]:
+    """The `kubestar` command line, run with this interpreter."""
+    return [sys.executable, "-m", "kubestar.cli.main", *args]
+
+
+class ServerProcess:
+    """`kubestar sandbox serve` in a separate process (own environment; can be killed)."""
+
+    def __init__(
+        self,
+        log_dir: Path,
+        *args: str,
+        env: dict[str, str] | None = None,
+        executors: int = 2,
+        preload: Sequence[str] = TEST_PRELOAD,
+        worker: bool = True,
+        port: int | None = None,
+    ) -> None:
+        self.port = port or free_port()
+        self.endpoint = f"127.0.0.1:{self.port}"
+        command = cli_command(
+            "sandbox", "serve", "--listen", self.endpoint, "--log-level", "info", *args
+        )
+        if worker:
+            command += [
+                "--executors",
+                str(executors),
+                "--preload",
+                ",".join(preload),
+                "--uid-base",
+                str(next_uid_base()),
+            ]
+        self.log_path = Path(tempfile.mkstemp(prefix="server-", suffix=".log", dir=log_dir)[1])
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                command,
+                env={**os.environ, **(env or {})},
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+            )
+        self.pid = self.process.pid
+        self._descendants: set[int] = set()
+
+    def wait_ready(self, timeout: float = 120.0) -> ServerProcess:
+        try:
+            wait_serving(self.endpoint, timeout, self.process)
+        except Exception:
+            self.stop()
+            raise RuntimeError(f"server did not start; its log:\n{self.log()}") from None
+        self._descendants.update(descendants(self.pid))
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL the server process itself (its executors are left to notice)."""
+        self._descendants.update(descendants(self.pid))
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        self.process.wait(10)
+
+    def stop(self) -> None:
+        """Graceful stop (SIGTERM); then SIGKILL, by pid, whatever it left behind."""
+        if self.process.poll() is None:
+            self._descendants.update(descendants(self.pid))
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        for pid in self._descendants:
+            if process_alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def scratch_dir() -> Path:
+    """A fresh directory calls can see and write (mode 1777), on the host's filesystem.
+
+    As root, calls get private /tmp, /var/tmp and /dev/shm, so pytest's tmp_path is invisible
+    to them; this lives elsewhere on the root filesystem instead.
+    """
+    candidates = ["/var/lib", "/srv", "/opt"] if IS_ROOT else [tempfile.gettempdir()]
+    for base in candidates:
+        if os.access(base, os.W_OK | os.X_OK):
+            path = Path(tempfile.mkdtemp(prefix="kubestar-sandbox-test-", dir=base))
+            path.chmod(0o1777)
+            return path
+    pytest.skip("no writable directory outside /tmp for files calls can see")
+
+
+def assert_still_serving(client: SandboxClient) -> None:
+    """A normal call still succeeds (after something hostile or a failure)."""
+    result = client.execute("print('still serving')")
+    assert result.status == pb.EXECUTION_STATUS_OK, result
+    assert result.stdout == "still serving\n"
+
+
+def pool_of(threaded: ThreadedServer) -> ExecutorPool:
+    backend = threaded.server.backend
+    assert isinstance(backend, ExecutorPool)
+    return backend
+
+
+def children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as handle:
+            return [int(child) for child in handle.read().split()]
+    except OSError:
+        return []
+
+
+def zygote_pids(pool: ExecutorPool) -> list[int]:
+    """The processes that fork the calls: as root, PID 1 of each executor's namespace."""
+    pids: list[int] = []
+    for executor in pool.executors:
+        assert executor.pid is not None
+        if executor.isolation.get("pid_namespace"):
+            pids += children(executor.pid)
+        else:
+            pids.append(executor.pid)
+    return pids
+
+
+def leftover_processes(pool: ExecutorPool) -> list[int]:
+    """Live processes below the zygotes, i.e. anything a finished call left running."""
+    return [
+        pid for zygote in zygote_pids(pool) for pid in descendants(zygote) if process_alive(pid)
+    ]
