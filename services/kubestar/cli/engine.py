@@ -8,7 +8,6 @@ import sys
 import time
 
 import click
-
 from kubestar.engine.launch import EngineProcess, EngineSettings
 
 
@@ -18,30 +17,52 @@ def engine() -> None:
 
 
 @engine.command("serve")
-@click.option("--model", default="SmolLM2-135M-Instruct", show_default=True,
-              help="Model folder, or an embedded name (SmolLM2-135M-Instruct, tiny-random-llama).")
+@click.option(
+    "--model",
+    default="SmolLM2-135M-Instruct",
+    show_default=True,
+    help="Model folder, or an embedded name (SmolLM2-135M-Instruct, tiny-random-llama).",
+)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8100, show_default=True)
 @click.option("--max-model-len", default=4096, show_default=True)
 @click.option("--kv-cache-bytes", default=0, help="KV cache size (0: vLLM's default).")
 @click.option("--tensor-parallel-size", default=1, show_default=True)
 @click.option("--gpu-memory-utilization", default=0.9, show_default=True)
-@click.option("--device", type=click.Choice(["cpu", "cuda", "rocm"]), default="cpu",
-              show_default=True)
+@click.option(
+    "--device", type=click.Choice(["cpu", "cuda", "rocm"]), default="cpu", show_default=True
+)
 @click.option("--max-num-seqs", default=64, show_default=True)
 @click.option("--print-command", is_flag=True, help="Print the vLLM command and exit.")
 @click.argument("extra_args", nargs=-1, type=click.UNPROCESSED)
-def serve(model: str, host: str, port: int, max_model_len: int, kv_cache_bytes: int,
-          tensor_parallel_size: int, gpu_memory_utilization: float, device: str,
-          max_num_seqs: int, print_command: bool, extra_args: tuple[str, ...]) -> None:
+def serve(
+    model: str,
+    host: str,
+    port: int,
+    max_model_len: int,
+    kv_cache_bytes: int,
+    tensor_parallel_size: int,
+    gpu_memory_utilization: float,
+    device: str,
+    max_num_seqs: int,
+    print_command: bool,
+    extra_args: tuple[str, ...],
+) -> None:
     """Serve one engine until interrupted. Arguments after -- go to vLLM unchanged."""
     from kubestar.engine.models import resolve_model
 
     settings = EngineSettings(
-        model=str(resolve_model(model)), host=host, port=port, max_model_len=max_model_len,
-        kv_cache_bytes=kv_cache_bytes, tensor_parallel_size=tensor_parallel_size,
-        gpu_memory_utilization=gpu_memory_utilization, device=device,
-        max_num_seqs=max_num_seqs, extra_args=list(extra_args))
+        model=str(resolve_model(model)),
+        host=host,
+        port=port,
+        max_model_len=max_model_len,
+        kv_cache_bytes=kv_cache_bytes,
+        tensor_parallel_size=tensor_parallel_size,
+        gpu_memory_utilization=gpu_memory_utilization,
+        device=device,
+        max_num_seqs=max_num_seqs,
+        extra_args=list(extra_args),
+    )
     if print_command:
         click.echo(" ".join(settings.command()))
         return

@@ -6,12 +6,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-
 from kubestar.engine.launch import SERVED_MODEL_NAME
 
 
 class EngineError(RuntimeError):
-    """The engine answered with an error or could not be reached."""
+    """The engine answered with an error or could not be reached.
+
+    `status` is the HTTP status the engine answered with; None when it could not be reached
+    (connection refused or reset, timeout). A 4xx is the request's fault (too long, bad
+    parameters), anything else the engine's.
+    """
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def rejected(self) -> bool:
+        """The engine refused this request (HTTP 4xx); it is alive and would refuse it again."""
+        return self.status is not None and 400 <= self.status < 500
 
 
 @dataclass
@@ -33,7 +46,8 @@ class EngineClient:
         if self._session is None or self._session.closed:
             # One pooled session per engine; unlimited connections (the scheduler limits).
             self._session = aiohttp.ClientSession(
-                timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0))
+                timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0)
+            )
         return self._session
 
     async def close(self) -> None:
@@ -41,22 +55,33 @@ class EngineClient:
             await self._session.close()
             self._session = None
 
-    async def _post(self, path: str, body: dict[str, Any] | None = None,
-                    params: dict[str, str] | None = None) -> Any:
+    async def _post(
+        self, path: str, body: dict[str, Any] | None = None, params: dict[str, str] | None = None
+    ) -> Any:
         try:
-            async with self._client().post(f"{self.url}{path}", json=body or {},
-                                           params=params) as response:
+            async with self._client().post(
+                f"{self.url}{path}", json=body or {}, params=params
+            ) as response:
                 text = await response.text()
                 if response.status != 200:
-                    raise EngineError(f"{path}: HTTP {response.status}: {text[:500]}")
+                    raise EngineError(
+                        f"{path}: HTTP {response.status}: {text[:500]}", status=response.status
+                    )
                 return await response.json(content_type=None) if text else None
         except (aiohttp.ClientError, TimeoutError, OSError) as error:
             raise EngineError(f"{path}: {error!r}") from error
 
-    async def complete(self, prompt_token_ids: list[int], max_tokens: int,
-                       temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                       stop: list[str] | None = None, seed: int | None = None,
-                       logprobs: bool = False) -> Completion:
+    async def complete(
+        self,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: list[str] | None = None,
+        seed: int | None = None,
+        logprobs: bool = False,
+    ) -> Completion:
         body: dict[str, Any] = {
             "model": SERVED_MODEL_NAME,
             "prompt": prompt_token_ids,
@@ -91,10 +116,25 @@ class EngineClient:
         try:
             async with self._client().get(f"{self.url}/metrics") as response:
                 if response.status != 200:
-                    raise EngineError(f"/metrics: HTTP {response.status}")
+                    raise EngineError(f"/metrics: HTTP {response.status}", status=response.status)
                 return await response.text()
         except (aiohttp.ClientError, TimeoutError, OSError) as error:
             raise EngineError(f"/metrics: {error!r}") from error
+
+    async def max_model_len(self) -> int:
+        """The served model's context length (from /v1/models); 0 when the engine does not say."""
+        try:
+            async with self._client().get(f"{self.url}/v1/models") as response:
+                if response.status != 200:
+                    raise EngineError(f"/v1/models: HTTP {response.status}", status=response.status)
+                models = await response.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as error:
+            raise EngineError(f"/v1/models: {error!r}") from error
+        for model in (models or {}).get("data") or []:
+            value = model.get("max_model_len")
+            if isinstance(value, int):
+                return value
+        return 0
 
     async def healthy(self) -> bool:
         try:
@@ -113,8 +153,10 @@ class EngineClient:
         """
         await self._post("/pause", params={"mode": "wait"})
         try:
-            await self._post("/collective_rpc", {"method": "reload_weights",
-                                                 "kwargs": {"weights_path": weights_path}})
+            await self._post(
+                "/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": weights_path}},
+            )
             await self._post("/reset_prefix_cache")
         finally:
             await self._post("/resume")

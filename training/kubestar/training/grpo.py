@@ -1,0 +1,61 @@
+"""GRPO with clip-higher and token-level loss, as rStar2-Agent trains it: no KL, no entropy.
+
+Shapes: B trajectories (rows), T response tokens (padded). `response_mask` is 1 on tokens the
+policy generated and 0 on prompt padding and tool-response tokens, which are never trained on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class GrpoConfig:
+    clip_low: float = 0.2
+    clip_high: float = 0.28  # clip-higher (DAPO): more room to raise unlikely tokens
+    advantage_eps: float = 1e-6
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
+    """(r - mean_group(r)) / (std_group(r) + eps) for each trajectory.   rewards: [B]"""
+    advantages = torch.zeros_like(rewards, dtype=torch.float32)
+    for group in group_ids.unique():
+        members = group_ids == group
+        group_rewards = rewards[members].float()
+        std = group_rewards.std(unbiased=False) if group_rewards.numel() > 1 else 0.0
+        advantages[members] = (group_rewards - group_rewards.mean()) / (std + eps)
+    return advantages
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: GrpoConfig = GrpoConfig(),
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped policy-gradient loss averaged over every trained token of the batch.
+
+    logprobs, old_logprobs, response_mask: [B, T]; advantages: [B].
+    """
+    mask = response_mask.float()
+    ratio = torch.exp(logprobs - old_logprobs)  # [B, T]
+    advantage = advantages.unsqueeze(-1)  # [B, 1], one advantage for every token of a trajectory
+    unclipped = -advantage * ratio
+    clipped = -advantage * torch.clamp(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high)
+    per_token = torch.maximum(unclipped, clipped)  # pessimistic bound, as in PPO
+    tokens = mask.sum().clamp(min=1.0)
+    loss = (per_token * mask).sum() / tokens  # token-level: long answers are not down-weighted
+    with torch.no_grad():
+        clipped_fraction = ((clipped > unclipped).float() * mask).sum() / tokens
+        stats = {
+            "loss": float(loss),
+            "ratio_mean": float((ratio * mask).sum() / tokens),
+            "clip_fraction": float(clipped_fraction),
+            "approx_kl": float((((ratio - 1) - (logprobs - old_logprobs)) * mask).sum() / tokens),
+        }
+    return loss, stats
