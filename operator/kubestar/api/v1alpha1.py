@@ -253,7 +253,7 @@ class Metadata(BaseModel):
 
 class Resource(BaseModel):
     model_config = ConfigDict(populate_by_name=True, extra="forbid")
-    api_version: Literal["kubestar.dev/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
+    api_version: Literal["kubestar.dev/v1alpha1"] = Field("kubestar.dev/v1alpha1", alias="apiVersion")
     metadata: Metadata
     status: dict[str, Any] | None = None
 
