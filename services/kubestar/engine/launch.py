@@ -10,6 +10,7 @@ The python that runs vLLM defaults to this one; `KUBESTAR_ENGINE_PYTHON` or
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -22,6 +23,13 @@ from pathlib import Path
 from typing import IO
 
 SERVED_MODEL_NAME = "policy"
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Run in a child before exec: it gets SIGTERM when the process that started it dies,
+    so a crashed trainer or runner leaves no engine or service behind."""
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 @dataclass
@@ -114,6 +122,7 @@ class EngineProcess:
             stdout=self._log or subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         if wait:
             self.wait_ready(timeout)

@@ -37,10 +37,13 @@ def grpo_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     config: GrpoConfig = GrpoConfig(),
+    normalizer: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss averaged over every trained token of the batch.
 
-    logprobs, old_logprobs, response_mask: [B, T]; advantages: [B].
+    logprobs, old_logprobs, response_mask: [B, T]; advantages: [B]. With gradient
+    accumulation, pass the whole mini-batch's token count as `normalizer` so that every
+    token weighs the same whichever micro-batch it falls in.
     """
     mask = response_mask.float()
     ratio = torch.exp(logprobs - old_logprobs)  # [B, T]
@@ -49,7 +52,8 @@ def grpo_loss(
     clipped = -advantage * torch.clamp(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high)
     per_token = torch.maximum(unclipped, clipped)  # pessimistic bound, as in PPO
     tokens = mask.sum().clamp(min=1.0)
-    loss = (per_token * mask).sum() / tokens  # token-level: long answers are not down-weighted
+    # Token-level: every trained token weighs the same; long answers are not down-weighted.
+    loss = (per_token * mask).sum() / (normalizer or tokens)
     with torch.no_grad():
         clipped_fraction = ((clipped > unclipped).float() * mask).sum() / tokens
         stats = {

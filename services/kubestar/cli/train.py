@@ -1,0 +1,116 @@
+"""`kubestar train`: run a TrainingRun on this machine (or, with --in-cluster, in its Job)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import click
+from kubestar.common import logs
+
+
+@click.command("train")
+@click.option(
+    "-f",
+    "--file",
+    "manifest",
+    required=True,
+    type=click.Path(exists=True),
+    help="YAML with a TrainingRun (and, for local runs, its SandboxPool and "
+    "RolloutFleet): the same file `kubectl apply -f` takes.",
+)
+@click.option(
+    "--run-dir",
+    type=click.Path(),
+    default="",
+    help="Where metrics, checkpoints, logs and the report go (default runs/NAME).",
+)
+@click.option("--fresh", is_flag=True, help="Ignore existing checkpoints in the run directory.")
+@click.option(
+    "--engine-python", default="", help="Python with vLLM for the engines (default: this one)."
+)
+@click.option("--log-level", default="warning", show_default=True)
+def train(manifest: str, run_dir: str, fresh: bool, engine_python: str, log_level: str) -> None:
+    """Train: SFT, then the RL stages, then evaluation and a report.
+
+    Locally this starts the sandbox, the vLLM engines and the rollout scheduler as processes
+    on 127.0.0.1, resumes from the run directory's newest checkpoint unless --fresh, and
+    writes metrics.jsonl, status.json, evaluation.json and report/ (table and plots).
+    """
+    logs.configure(log_level)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from kubestar.api.v1alpha1 import (
+        ManifestError,
+        RolloutFleet,
+        SandboxPool,
+        TrainingRun,
+        load_manifests,
+    )
+    from kubestar.engine.models import resolve_model
+    from kubestar.training.local import LocalStack
+    from kubestar.training.progress import FileReporter
+    from kubestar.training.report import write_report
+    from kubestar.training.session import TrainingSession
+    from tqdm import tqdm
+
+    try:
+        resources = load_manifests(manifest)
+    except ManifestError as error:
+        raise click.ClickException(str(error)) from error
+    runs = [r for r in resources if isinstance(r, TrainingRun)]
+    if len(runs) != 1:
+        raise click.ClickException(f"{manifest}: expected one TrainingRun, found {len(runs)}")
+    run = runs[0]
+    pools = {r.metadata.name: r for r in resources if isinstance(r, SandboxPool)}
+    fleets = {r.metadata.name: r for r in resources if isinstance(r, RolloutFleet)}
+    pool = pools.get(run.spec.sandbox_pool_ref.name) or SandboxPool(
+        metadata={"name": run.spec.sandbox_pool_ref.name}
+    )  # type: ignore[arg-type]
+    fleet = fleets.get(run.spec.rollout_fleet_ref.name) or RolloutFleet(
+        metadata={"name": run.spec.rollout_fleet_ref.name}
+    )  # type: ignore[arg-type]
+
+    directory = Path(run_dir or Path("runs") / run.metadata.name)
+    if fresh and directory.exists():
+        import shutil
+
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    source = run.spec.model.path or run.spec.model.name
+    click.echo(f"preparing model {source}", err=True)
+    model_dir = resolve_model(source)
+
+    total = sum(stage.steps for stage in run.spec.stages)
+    bar = tqdm(total=total, desc="training", unit="step", file=sys.stderr)
+
+    def progress(stage: str, step: int, total_steps: int, metrics: dict[str, float]) -> None:
+        bar.set_postfix_str(
+            f"{stage} reward={metrics.get('reward', 0):.2f} acc={metrics.get('accuracy', 0):.2f} "
+            f"tool_err={metrics.get('tool_error_rate', 0):.2f} "
+            f"len={metrics.get('mean_response_tokens', 0):.0f}"
+        )
+        bar.n = step
+        bar.refresh()
+
+    stack = LocalStack(pool, fleet, model_dir, directory / "logs", engine_python=engine_python)
+    click.echo(
+        f"starting sandbox, {max(fleet.spec.replicas, 1)} engine(s) and the scheduler "
+        f"(logs in {directory / 'logs'})",
+        err=True,
+    )
+    with stack.running() as endpoints:
+        session = TrainingSession(
+            run,
+            endpoints,
+            directory,
+            model_dir,
+            FileReporter(directory / "status.json"),
+            progress=progress,
+        )
+        status = session.run_all()
+    bar.close()
+    report = write_report(directory)
+    logging.getLogger(__name__).info("done")
+    click.echo(f"{status.phase}: {status.step}/{status.total_steps} steps; report: {report}")

@@ -1,0 +1,66 @@
+"""Trajectories to padded tensors for the policy's forward pass.
+
+Each row is prompt + response, right-padded to the longest row (L tokens). Losses are taken
+on next-token predictions, so every per-token tensor here has L - 1 columns: column t scores
+`input_ids[:, t + 1]`. `loss_mask[:, t]` is 1 exactly where that target is a token the model
+generated (tool responses, prompts and padding are 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TokenBatch:
+    input_ids: torch.Tensor  # [B, L] long
+    attention_mask: torch.Tensor  # [B, L] long
+    loss_mask: torch.Tensor  # [B, L-1] float
+    sampling_logprobs: torch.Tensor  # [B, L-1] float, the engine's logprob of each target
+
+    @property
+    def tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+    def rows(self, index: slice) -> TokenBatch:
+        return TokenBatch(
+            self.input_ids[index],
+            self.attention_mask[index],
+            self.loss_mask[index],
+            self.sampling_logprobs[index],
+        )
+
+
+def make_batch(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    response_masks: Sequence[Sequence[int]],
+    response_logprobs: Sequence[Sequence[float]] | None = None,
+    pad_id: int = 0,
+) -> TokenBatch:
+    rows = len(prompts)
+    length = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    input_ids = torch.full((rows, length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((rows, length), dtype=torch.long)
+    loss_mask = torch.zeros((rows, length - 1), dtype=torch.float32)
+    sampling = torch.zeros((rows, length - 1), dtype=torch.float32)
+    for i, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
+        p, r = len(prompt), len(response)
+        input_ids[i, : p + r] = torch.tensor([*prompt, *response], dtype=torch.long)
+        attention_mask[i, : p + r] = 1
+        # The target at column t is token t + 1: the response's first token sits at column p - 1.
+        loss_mask[i, p - 1 : p - 1 + r] = torch.tensor(response_masks[i], dtype=torch.float32)
+        if response_logprobs is not None and len(response_logprobs[i]) == r:
+            sampling[i, p - 1 : p - 1 + r] = torch.tensor(response_logprobs[i])
+    return TokenBatch(input_ids, attention_mask, loss_mask, sampling)
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each next token.  logits: [B, L, V] -> [B, L-1]."""
+    logits = logits[:, :-1, :].float()
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    # logsumexp instead of a full log_softmax: one [B, L-1, V] tensor less in memory.
+    return torch.gather(logits, -1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)

@@ -1,0 +1,370 @@
+"""A training run from start to end: SFT, the RL stages, checkpoints, evaluation.
+
+    [resume from the newest checkpoint, push its weights to the engines]
+    SFT (if asked and not done)                    -> push weights, checkpoint
+    for each stage: select its problems (filter), maybe reset the optimizer
+        for each step: rollouts (Ray actor) -> GRPO-RoC update -> push weights
+                       -> metrics log + status -> checkpoint every N steps
+    evaluation on held-out problems -> report
+
+Every problem a step trains on is fixed by (stage, step) alone, so a run resumed from a
+checkpoint neither repeats nor skips a step. The same code runs on one machine (local Ray,
+services as local processes) and in the trainer Job of a cluster (services behind endpoints).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kubestar.api.v1alpha1 import DatasetSpec, StageSpec, TrainingRun, TrainingRunStatus
+from kubestar.training import checkpoint
+from kubestar.training.checkpoint import RunState
+from kubestar.training.datasets import Problem, jsonl_problems, reasoning_gym_problems
+from kubestar.training.generators import Sampling
+from kubestar.training.policy import OptimizerConfig, Policy
+from kubestar.training.progress import MetricsLog, Reporter, condition, status_metrics
+from kubestar.training.trainer import AlgorithmConfig, GrpoTrainer
+from kubestar.training.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
+
+ProgressCallback = Callable[[str, int, int, dict[str, float]], None]
+
+
+@dataclass
+class Endpoints:
+    scheduler: str
+    sandbox: str
+
+
+def load_dataset(spec: DatasetSpec) -> list[Problem]:
+    if spec.generator:
+        return reasoning_gym_problems(spec.generator, spec.size, spec.seed)
+    assert spec.path is not None
+    from kubestar.training.datasets import load_problems
+
+    problems = jsonl_problems(spec.path) if spec.format == "jsonl" else load_problems(spec.path)
+    return problems[: spec.size]
+
+
+def step_problems(problems: list[Problem], stage: StageSpec, step: int, seed: int) -> list[Problem]:
+    """The problems of step `step`: consecutive slices of a per-epoch shuffle."""
+    per_step = stage.problems_per_step
+    chosen: list[Problem] = []
+    position = step * per_step
+    while len(chosen) < per_step:
+        epoch, offset = divmod(position, len(problems))
+        order = list(range(len(problems)))
+        random.Random(f"{seed}/{stage.name}/{epoch}").shuffle(order)
+        chosen.append(problems[order[offset]])
+        position += 1
+    return chosen
+
+
+class TrainingSession:
+    def __init__(
+        self,
+        run: TrainingRun,
+        endpoints: Endpoints,
+        run_dir: Path,
+        model_dir: Path,
+        reporter: Reporter,
+        progress: ProgressCallback | None = None,
+        reward_workers: int = 2,
+    ) -> None:
+        self.run = run
+        self.spec = run.spec
+        self.endpoints = endpoints
+        self.run_dir = run_dir
+        self.model_dir = model_dir
+        self.reporter = reporter
+        self.progress = progress
+        self.reward_workers = reward_workers
+        self.checkpoints = Path(self.spec.checkpoint.path or run_dir / "checkpoints")
+        self.weights_dir = run_dir / "weights"
+        self.metrics = MetricsLog(run_dir / "metrics.jsonl")
+        self.status = TrainingRunStatus(
+            total_steps=sum(stage.steps for stage in self.spec.stages),
+            observed_generation=int(run.metadata.model_extra.get("generation", 0) or 0)
+            if run.metadata.model_extra
+            else 0,
+        )
+        self.started = time.monotonic()
+        self._steps_timed: list[float] = []
+
+    # -- orchestration ----------------------------------------------------------------------
+    def run_all(self) -> TrainingRunStatus:
+        import ray
+        from kubestar.training.workers import RolloutWorker
+
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        if not ray.is_initialized():
+            address = self.spec.trainer.ray_address or None
+            ray.init(
+                address=address,
+                include_dashboard=False,
+                log_to_driver=False,
+                **({} if address else {"num_cpus": max(2, os.cpu_count() or 2)}),
+            )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        algorithm = self.spec.algorithm
+        policy = Policy(
+            self.model_dir,
+            OptimizerConfig(learning_rate=algorithm.learning_rate),
+            device=self.spec.trainer.device,
+            micro_batch_size=self.spec.trainer.micro_batch_size,
+        )
+        worker = (
+            ray.remote(RolloutWorker)
+            .options(num_cpus=0)
+            .remote(
+                self.endpoints.scheduler,
+                self.endpoints.sandbox,
+                str(self.model_dir),
+                self.reward_workers,
+            )
+        )
+        try:
+            self._run(policy, worker)
+        except Exception as error:
+            self._set_phase("Failed", "TrainerError", f"{type(error).__name__}: {error}")
+            raise
+        finally:
+            ray.get(worker.close.remote())
+            ray.kill(worker)
+        return self.status
+
+    def _run(self, policy: Policy, worker: Any) -> None:
+        import ray
+
+        state = self._resume(policy, worker)
+        seed = zlib.crc32(self.run.metadata.name.encode())  # stable across processes
+        trainer = GrpoTrainer(policy, self._algorithm(), pad_id=0, seed=seed)
+        if state.rng_state is not None:
+            trainer.rng.setstate(state.rng_state)
+
+        sft = self.spec.sft
+        if sft is not None and sft.enabled and not state.sft_done:
+            self._set_phase("SFT", "SupervisedFineTuning", "non-reasoning SFT on the tool format")
+            from kubestar.training.sft import run_sft
+
+            sft_metrics = run_sft(
+                policy, self.model_dir, sft, self.endpoints.sandbox, seed=0, progress=self.progress
+            )
+            self.metrics.append({"step": 0, "stage": "sft", **sft_metrics})
+            self._push_weights(policy, worker, version=0)
+            state.sft_done = True
+            self._checkpoint(policy, state, trainer)
+
+        self._set_phase("Training", "Training", "GRPO-RoC stages")
+        for index in range(state.stage_index, len(self.spec.stages)):
+            stage = self.spec.stages[index]
+            if index != state.stage_index:
+                state.stage_index, state.stage_step = index, 0
+            problems = self._stage_problems(stage, state, worker)
+            if state.stage_step == 0 and stage.reset_optimizer and index > 0:
+                policy.reset_optimizer()
+            self.status.stage = stage.name
+            for step in range(state.stage_step, stage.steps):
+                started = time.monotonic()
+                batch = step_problems(problems, stage, step, seed=index)
+                trajectories, stats = ray.get(
+                    worker.rollout.remote(
+                        batch,
+                        trainer.config.rollouts_per_problem,
+                        self.spec.algorithm.max_turns,
+                        stage.max_response_tokens,
+                        self._sampling(),
+                    )
+                )
+                rollout_seconds = time.monotonic() - started
+                metrics = trainer.update(trajectories)
+                state.global_step += 1
+                state.stage_step = step + 1
+                self._push_weights(policy, worker, version=state.global_step)
+                metrics.update(
+                    step_seconds=time.monotonic() - started,
+                    rollout_seconds=rollout_seconds,
+                    tokens_per_second=stats.tokens_per_s,
+                    weights_versions=float(
+                        max((v for t in trajectories for v in t.weights_versions), default=0)
+                    ),
+                )
+                self._record_step(stage, state, metrics)
+                if (
+                    state.global_step % self.spec.checkpoint.every_steps == 0
+                    or state.stage_step == stage.steps
+                ):
+                    self._checkpoint(policy, state, trainer)
+        self._evaluate(worker)
+        self._set_phase("Succeeded", "Completed", f"{self.status.total_steps} steps done")
+
+    # -- pieces ----------------------------------------------------------------------------
+    def _algorithm(self) -> AlgorithmConfig:
+        a = self.spec.algorithm
+        return AlgorithmConfig(
+            name=a.name,
+            group_size=a.group_size,
+            oversample_factor=a.oversample_factor if a.name == "grpo-roc" else 1.0,
+            clip_low=a.clip_low,
+            clip_high=a.clip_high,
+            positive_selection=a.positive_selection,
+        )
+
+    def _sampling(self, temperature: float | None = None) -> Sampling:
+        a = self.spec.algorithm
+        return Sampling(
+            temperature=a.temperature if temperature is None else temperature, top_p=a.top_p
+        )
+
+    def _resume(self, policy: Policy, worker: Any) -> RunState:
+        latest = checkpoint.latest(self.checkpoints)
+        if latest is None:
+            return RunState()
+        state = checkpoint.load(latest, policy)
+        log.info(
+            "resuming",
+            extra={"fields": {"checkpoint": str(latest), "global_step": state.global_step}},
+        )
+        self.metrics.truncate_after(state.global_step)
+        self.status.step = state.global_step
+        self.status.last_checkpoint = str(latest)
+        self._push_weights(policy, worker, version=state.global_step, folder=latest / "weights")
+        return state
+
+    def _stage_problems(self, stage: StageSpec, state: RunState, worker: Any) -> list[Problem]:
+        problems = load_dataset(stage.dataset)
+        by_id = {p.id: p for p in problems}
+        if stage.name in state.stage_problems:  # filtered before a restart: keep that choice
+            return [by_id[i] for i in state.stage_problems[stage.name] if i in by_id]
+        k = stage.filter.drop_solved_k_of_k if stage.filter else None
+        if k:
+            problems = self._drop_solved(problems, stage, k, worker)
+        state.stage_problems[stage.name] = [p.id for p in problems]
+        return problems
+
+    def _drop_solved(
+        self, problems: list[Problem], stage: StageSpec, k: int, worker: Any
+    ) -> list[Problem]:
+        """Keep problems the current policy does not solve k of k, evaluating only as many
+        as the stage needs."""
+        import ray
+
+        needed = stage.steps * stage.problems_per_step
+        kept: list[Problem] = []
+        chunk = max(stage.problems_per_step, 8)
+        for start in range(0, len(problems), chunk):
+            candidates = problems[start : start + chunk]
+            trajectories, _ = ray.get(
+                worker.rollout.remote(
+                    candidates,
+                    k,
+                    self.spec.algorithm.max_turns,
+                    stage.max_response_tokens,
+                    self._sampling(),
+                )
+            )
+            solved: dict[str, int] = {}
+            for t in trajectories:
+                solved[t.problem_id] = solved.get(t.problem_id, 0) + int((t.reward or 0) > 0)
+            kept += [p for p in candidates if solved.get(p.id, 0) < k]
+            if len(kept) >= needed:
+                break
+        log.info("stage filter", extra={"fields": {"stage": stage.name, "k": k, "kept": len(kept)}})
+        return kept or problems
+
+    def _push_weights(
+        self, policy: Policy, worker: Any, version: int, folder: Path | None = None
+    ) -> None:
+        import ray
+
+        if folder is None:
+            folder = policy.save_weights(self.weights_dir / f"v{version:06d}")
+        ray.get(worker.update_weights.remote(str(folder), version))
+        # Engines have loaded it: older weight folders are no longer needed.
+        for old in self.weights_dir.glob("v*"):
+            if old != folder:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _checkpoint(self, policy: Policy, state: RunState, trainer: GrpoTrainer) -> None:
+        state.rng_state = trainer.rng.getstate()
+        path = checkpoint.save(self.checkpoints, policy, state, self.spec.checkpoint.keep)
+        self.status.last_checkpoint = str(path)
+        self.reporter.report(self.status)
+
+    def _record_step(self, stage: StageSpec, state: RunState, metrics: dict[str, float]) -> None:
+        self.metrics.append(
+            {
+                "step": state.global_step,
+                "stage": stage.name,
+                "stage_step": state.stage_step,
+                **metrics,
+            }
+        )
+        self._steps_timed.append(metrics["step_seconds"])
+        recent = self._steps_timed[-5:]
+        left = self.status.total_steps - state.global_step
+        self.status.step = state.global_step
+        self.status.progress = state.global_step / max(self.status.total_steps, 1)
+        self.status.metrics = status_metrics(metrics)
+        self.status.estimated_seconds_left = left * sum(recent) / len(recent)
+        self.reporter.report(self.status)
+        if self.progress:
+            self.progress(stage.name, state.global_step, self.status.total_steps, metrics)
+
+    def _evaluate(self, worker: Any) -> None:
+        import ray
+
+        evaluation = self.spec.evaluation
+        if evaluation.dataset is None:
+            return
+        problems = load_dataset(evaluation.dataset)
+        max_tokens = max(stage.max_response_tokens for stage in self.spec.stages)
+        trajectories, _ = ray.get(
+            worker.rollout.remote(
+                problems,
+                evaluation.samples,
+                self.spec.algorithm.max_turns,
+                max_tokens,
+                self._sampling(temperature=0.0),
+            )
+        )
+        summary = evaluation_summary(trajectories)
+        self.metrics.append({"step": self.status.step, "stage": "evaluation", **summary})
+        (self.run_dir / "evaluation.json").write_text(
+            json.dumps(
+                {
+                    "summary": summary,
+                    "trajectories": [t.to_dict(tokens=False) for t in trajectories],
+                },
+                indent=2,
+                default=str,
+            )
+        )
+
+    def _set_phase(self, phase: str, reason: str, message: str) -> None:
+        self.status.phase = phase  # type: ignore[assignment]
+        ready = phase not in ("Failed",)
+        self.status.conditions = [c for c in self.status.conditions if c.type != "Progressing"]
+        self.status.conditions.append(
+            condition("Progressing", ready, reason, message, self.status.observed_generation)
+        )
+        self.reporter.report(self.status)
+
+
+def evaluation_summary(trajectories: list[Trajectory]) -> dict[str, float]:
+    from kubestar.training.trainer import rollout_metrics
+
+    summary = rollout_metrics(trajectories)
+    summary["eval_accuracy"] = summary.pop("accuracy")
+    return summary

@@ -1,0 +1,159 @@
+"""One GRPO-RoC update from a step's rollouts: select, weigh, update.
+
+    rollouts (group_size * oversample per problem, rewarded)
+      -> Resample-on-Correct (grpo-roc) or a uniform draw (grpo) down to group_size
+      -> group-relative advantages
+      -> old log-probabilities under the weights that sampled them (recomputed by the trainer)
+      -> `updates_per_step` clipped policy-gradient steps over mini-batches
+
+The trainer recomputes old log-probabilities rather than trusting the engine's: the engine
+samples in bf16 with its own kernels, and the ratio must compare like with like.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from kubestar.training.batch import make_batch
+from kubestar.training.grpo import GrpoConfig, group_advantages
+from kubestar.training.policy import Policy
+from kubestar.training.roc import PositiveSelection, TraceQuality, resample_on_correct
+from kubestar.training.trajectory import Trajectory
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    name: str = "grpo-roc"  # or "grpo": no resampling, a uniform draw of group_size
+    group_size: int = 16
+    oversample_factor: float = 2.0
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    positive_selection: PositiveSelection = "inverse-penalty"
+    updates_per_step: int = 1  # mini-batches per step; more than 1 makes the clip bite
+
+    @property
+    def rollouts_per_problem(self) -> int:
+        return max(self.group_size, round(self.group_size * self.oversample_factor))
+
+
+def trace_quality(trajectory: Trajectory) -> TraceQuality:
+    return TraceQuality(
+        reward=trajectory.reward or 0.0,
+        tool_calls=trajectory.num_tool_calls,
+        tool_errors=trajectory.num_tool_errors,
+        answers=trajectory.num_answers,
+        turns=max(trajectory.num_turns, 1),
+    )
+
+
+def select_groups(
+    trajectories: Sequence[Trajectory], config: AlgorithmConfig, rng: random.Random
+) -> list[list[Trajectory]]:
+    """Group by problem and down-sample each group to group_size."""
+    groups: dict[str, list[Trajectory]] = defaultdict(list)
+    for trajectory in trajectories:
+        groups[trajectory.problem_id].append(trajectory)
+    selected: list[list[Trajectory]] = []
+    for problem_id in sorted(groups):
+        group = groups[problem_id]
+        if config.name == "grpo-roc" and len(group) > config.group_size:
+            kept = resample_on_correct(
+                group, trace_quality, config.group_size, rng, config.positive_selection
+            )
+            if kept is not None:
+                selected.append(kept)
+        else:
+            kept = rng.sample(group, min(config.group_size, len(group)))
+            # A group with one reward for all has zero advantage: nothing to learn from it.
+            if len({t.reward for t in kept}) > 1:
+                selected.append(kept)
+    return selected
+
+
+def _mean(values: Sequence[float]) -> float:
+    return statistics.fmean(values) if values else 0.0
+
+
+def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """What every rollout says, before selection."""
+    calls = sum(t.num_tool_calls for t in trajectories)
+    errors = sum(t.num_tool_errors for t in trajectories)
+    return {
+        "accuracy": _mean([t.reward or 0.0 for t in trajectories]),
+        "tool_calls_per_trajectory": _mean([t.num_tool_calls for t in trajectories]),
+        "tool_error_rate": errors / calls if calls else 0.0,
+        "mean_response_tokens": _mean([t.response_length for t in trajectories]),
+        "answered_rate": _mean([1.0 if t.answered else 0.0 for t in trajectories]),
+        "truncated_rate": _mean([1.0 if t.truncated else 0.0 for t in trajectories]),
+        "rollouts": float(len(trajectories)),
+    }
+
+
+def kept_metrics(kept: Sequence[Trajectory]) -> dict[str, float]:
+    positives = [t for t in kept if (t.reward or 0.0) > 0]
+    calls = sum(t.num_tool_calls for t in positives)
+    errors = sum(t.num_tool_errors for t in positives)
+    return {
+        "reward": _mean([t.reward or 0.0 for t in kept]),
+        "positive_tool_error_rate": errors / calls if calls else 0.0,
+        "kept_response_tokens": _mean([t.response_length for t in kept]),
+        "kept": float(len(kept)),
+    }
+
+
+class GrpoTrainer:
+    def __init__(self, policy: Policy, config: AlgorithmConfig, pad_id: int, seed: int = 0) -> None:
+        self.policy = policy
+        self.config = config
+        self.pad_id = pad_id
+        self.rng = random.Random(seed)
+        self.loss_config = GrpoConfig(clip_low=config.clip_low, clip_high=config.clip_high)
+
+    def update(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        """Select, then train on the kept trajectories; returns the step's metrics."""
+        metrics = rollout_metrics(trajectories)
+        groups = select_groups(trajectories, self.config, self.rng)
+        kept = [t for group in groups for t in group]
+        metrics.update(kept_metrics(kept))
+        metrics["groups_kept"] = float(len(groups))
+        if not kept:
+            metrics["skipped_update"] = 1.0
+            return metrics
+        rewards = torch.tensor([t.reward or 0.0 for t in kept])
+        group_ids = torch.tensor([i for i, group in enumerate(groups) for _ in group])
+        advantages = group_advantages(rewards, group_ids)  # [B]
+        batch = make_batch(
+            [t.prompt_ids for t in kept],
+            [t.response_ids for t in kept],
+            [t.response_mask for t in kept],
+            [t.response_logprobs for t in kept],
+            pad_id=self.pad_id,
+        )
+        old_logprobs = self.policy.logprobs(batch)  # [B, L-1], before any update
+        engine_gap = (batch.sampling_logprobs - old_logprobs).abs() * batch.loss_mask
+        metrics["engine_logprob_gap"] = float(engine_gap.sum() / max(batch.tokens, 1))
+        order = list(range(len(kept)))
+        self.rng.shuffle(order)
+        splits = max(1, min(self.config.updates_per_step, len(kept)))
+        totals: dict[str, float] = defaultdict(float)
+        for part in range(splits):
+            rows = torch.tensor(order[part::splits])
+            mini = type(batch)(
+                batch.input_ids[rows],
+                batch.attention_mask[rows],
+                batch.loss_mask[rows],
+                batch.sampling_logprobs[rows],
+            )
+            stats = self.policy.grpo_step(
+                mini, old_logprobs[rows], advantages[rows], self.loss_config
+            )
+            for key, value in stats.items():
+                totals[key] += value / splits
+        metrics.update({f"train_{key}": value for key, value in totals.items()})
+        metrics["trained_tokens"] = float(batch.tokens)
+        return metrics

@@ -1,0 +1,56 @@
+"""Rollouts and rewards off the training process: a Ray actor around the agent loop.
+
+The actor holds one connection to the rollout scheduler, one stream to the sandbox and a pool
+of reward processes; each `rollout` call runs a whole step's trajectories as coroutines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kubestar.training.chat import ChatTokenizer
+from kubestar.training.datasets import Problem
+from kubestar.training.executors import SandboxStreamExecutor
+from kubestar.training.generators import Sampling, SchedulerGenerator
+from kubestar.training.rewards import RewardScorer
+from kubestar.training.rollout import AgentLoop, RolloutConfig, RolloutStats, rollout
+from kubestar.training.trajectory import Trajectory
+
+
+class RolloutWorker:
+    def __init__(
+        self, scheduler: str, sandbox: str, model_dir: str, reward_workers: int = 2
+    ) -> None:
+        self.tokenizer = ChatTokenizer.from_model(model_dir)
+        self.generator = SchedulerGenerator(scheduler)
+        self.tools = SandboxStreamExecutor(sandbox)
+        self.scorer = RewardScorer(workers=reward_workers)
+
+    async def rollout(
+        self,
+        problems: Sequence[Problem],
+        samples: int,
+        max_turns: int,
+        max_response_tokens: int,
+        sampling: Sampling,
+    ) -> tuple[list[Trajectory], RolloutStats]:
+        config = RolloutConfig(
+            max_turns=max_turns, max_response_tokens=max_response_tokens, sampling=sampling
+        )
+        loop = AgentLoop(self.generator, self.tools, self.tokenizer, config)
+        return await rollout(loop, problems, samples, self.scorer)
+
+    async def update_weights(self, weights_path: str, version: int) -> dict[str, Any]:
+        """Every engine loads the new weights before the next rollout starts."""
+        response = await self.generator.client.update_weights(weights_path, version)
+        return {
+            "version": response.version,
+            "engines": list(response.engines),
+            "seconds": response.seconds,
+        }
+
+    async def close(self) -> None:
+        await self.generator.close()
+        await self.tools.close()
+        self.scorer.close()
