@@ -26,6 +26,12 @@ def status_label(status: pb.ExecutionStatus) -> str:
     )
 
 
+_RESULTS_BY_STATUS: dict[int, Counter] = {}
+
+
 def observe_result(result: pb.ExecutionResult, seconds: float) -> None:
-    RESULTS.labels(status_label(result.status)).inc()
+    counter = _RESULTS_BY_STATUS.get(result.status)
+    if counter is None:  # labels() looks the child up under a lock: once per status
+        counter = _RESULTS_BY_STATUS[result.status] = RESULTS.labels(status_label(result.status))
+    counter.inc()
     LATENCY.observe(seconds)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
 import time
 from typing import Any
 
@@ -37,6 +39,11 @@ class ExecutorPool(Backend):
         name: str = "worker",
     ) -> None:
         self.config = config or ExecutorConfig()
+        if self.config.pin_cpus is None:
+            # Pin when the executors fill the usable CPUs (a small machine, an exclusive
+            # cpuset); not on a big shared node, where every pod would pin to the same CPUs.
+            pin = executors >= len(os.sched_getaffinity(0))
+            self.config = dataclasses.replace(self.config, pin_cpus=pin)
         self.policy: LimitPolicy = self.config.policy
         self.queue_timeout = queue_timeout
         self.name = name

@@ -204,8 +204,13 @@ def _become_namespace_init() -> None:
 
 def _runtime_paths() -> list[str]:
     """Directories the calls' Python needs: its prefixes and import path (top-most only)."""
-    candidates = {sys.base_prefix, sys.prefix, sys.exec_prefix, sys.base_exec_prefix,
-                  *(p for p in sys.path if p)}
+    candidates = {
+        sys.base_prefix,
+        sys.prefix,
+        sys.exec_prefix,
+        sys.base_exec_prefix,
+        *(p for p in sys.path if p),
+    }
     paths = sorted(os.path.realpath(p) for p in candidates if os.path.isdir(p))
     top: list[str] = []
     for path in paths:
@@ -630,7 +635,11 @@ def main() -> None:
     parser.add_argument("--max-processes", type=int, default=32)
     parser.add_argument("--max-file-bytes", type=int, default=64 * 1024 * 1024)
     parser.add_argument("--max-open-files", type=int, default=256)
+    parser.add_argument("--cpu", type=int, default=-1, help="run (with all calls) on this CPU")
     args = parser.parse_args()
+    if args.cpu >= 0:
+        with contextlib.suppress(OSError):  # a CPU gone offline: run anywhere
+            os.sched_setaffinity(0, {args.cpu})
 
     sock = socket.socket(fileno=args.fd)
     if args.no_isolation:
