@@ -91,8 +91,10 @@ def prepare_default_model() -> Path:
     return _publish(tmp, target)
 
 
-def prepare_tiny_model(hidden_size: int = 64, layers: int = 2, seed: int = 0) -> Path:
-    """A randomly initialised Llama (a few million parameters) with SmolLM2's tokenizer."""
+def prepare_tiny_model(hidden_size: int = 256, layers: int = 2, seed: int = 0) -> Path:
+    """A randomly initialised Llama (about 14M parameters, most in the embeddings) with
+    SmolLM2's tokenizer. Four heads of hidden_size / 4: vLLM's CPU attention supports head
+    sizes such as 64, not 16."""
     target = cache_dir() / f"{TINY_MODEL}-h{hidden_size}-l{layers}-s{seed}"
     if _complete(target):
         return target
