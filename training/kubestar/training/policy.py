@@ -11,6 +11,7 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from kubestar.training.batch import TokenBatch, token_logprobs
@@ -54,8 +55,8 @@ class Policy:
         self.source = Path(model_path)
         self.device = pick_device(device)
         # Master weights in fp32 (bf16 AdamW updates of 1e-6 would round to nothing).
-        self.model = AutoModelForCausalLM.from_pretrained(self.source, dtype=torch.float32)
-        self.model.to(self.device)
+        model: Any = AutoModelForCausalLM.from_pretrained(self.source, dtype=torch.float32)
+        self.model = model.to(self.device)
         self.model.config.use_cache = False
         self.optimizer_config = optimizer
         self.micro_batch_size = micro_batch_size

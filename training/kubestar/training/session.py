@@ -114,7 +114,7 @@ class TrainingSession:
                 address=address,
                 include_dashboard=False,
                 log_to_driver=False,
-                **({} if address else {"num_cpus": max(2, os.cpu_count() or 2)}),
+                num_cpus=None if address else max(2, os.cpu_count() or 2),
             )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         algorithm = self.spec.algorithm
@@ -124,7 +124,7 @@ class TrainingSession:
             device=self.spec.trainer.device,
             micro_batch_size=self.spec.trainer.micro_batch_size,
         )
-        worker = (
+        worker: Any = (
             ray.remote(RolloutWorker)
             .options(num_cpus=0)
             .remote(
