@@ -30,7 +30,7 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 typecheck: setup
-	$(BIN)/mypy services protos operator tests bench
+	$(BIN)/mypy services protos training operator tests bench
 
 unit: setup
 	$(BIN)/pytest
