@@ -94,7 +94,8 @@ class EngineSettings:
         env["VLLM_NO_USAGE_STATS"] = "1"
         env["DO_NOT_TRACK"] = "1"
         if self.device == "cpu":
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            if not self.kv_cache_bytes:  # vLLM-CPU lets this override --kv-cache-memory-bytes
+                env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             # Keep an engine off the other engines' cores when several share a machine.
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         return env

@@ -1,0 +1,171 @@
+"""`kubestar scheduler`: serve the KV-aware rollout scheduler, or talk to one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import click
+from google.protobuf.json_format import MessageToDict
+from kubestar.common import logs
+from kubestar.scheduler.client import SchedulerClient
+from kubestar.scheduler.core import POLICIES
+from kubestar.scheduler.scheduler import SchedulerConfig
+from kubestar.scheduler.server import DiscoveryConfig, ServerConfig, serve
+
+T = TypeVar("T")
+
+
+def parse_engine(value: str) -> tuple[str, str]:
+    """`NAME=URL` (or just `URL`, named after its host and port)."""
+    name, sep, url = value.partition("=")
+    if not sep:
+        url = value
+        name = url.split("://", 1)[-1].rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        url = f"http://{url}"
+    if not name:
+        raise click.BadParameter(f"{value!r}: expected NAME=URL")
+    return name, url
+
+
+@click.group()
+def scheduler() -> None:
+    """The KV-aware rollout scheduler in front of the vLLM engines."""
+
+
+@scheduler.command("serve")
+@click.option(
+    "--listen", default="127.0.0.1:50061", show_default=True, help="gRPC address to bind."
+)
+@click.option(
+    "--engine",
+    "engines",
+    multiple=True,
+    metavar="NAME=URL",
+    help="A vLLM engine's OpenAI server, e.g. e0=http://127.0.0.1:8000 (repeatable).",
+)
+@click.option(
+    "--policy",
+    type=click.Choice(list(POLICIES)),
+    default="kv-aware",
+    show_default=True,
+    help="How turns are assigned to engines.",
+)
+@click.option("--poll-interval", default=0.2, show_default=True, help="Seconds between scrapes.")
+@click.option(
+    "--starvation-seconds",
+    default=5.0,
+    show_default=True,
+    help="After this long in the queue, a turn that does not fit lets no later turn pass it.",
+)
+@click.option("--max-attempts", default=4, show_default=True, help="Engines a turn may fail on.")
+@click.option(
+    "--request-timeout", default=3600.0, show_default=True, help="Longest turn, in seconds."
+)
+@click.option(
+    "--k8s-selector",
+    default="",
+    help="Also discover engines: ready pods with these labels (needs `kubernetes`).",
+)
+@click.option("--k8s-namespace", default="default", show_default=True)
+@click.option("--k8s-port", default=8000, show_default=True, help="The engines' HTTP port.")
+@click.option("--k8s-interval", default=5.0, show_default=True, help="Seconds between lists.")
+@click.option("--metrics-port", default=0, help="Prometheus metrics port (0: off).")
+@click.option("--metrics-address", default="127.0.0.1", show_default=True)
+@click.option(
+    "--drain-seconds",
+    default=30.0,
+    show_default=True,
+    help="On SIGTERM, how long queued and running turns may finish.",
+)
+@click.option("--log-level", default="info", show_default=True)
+def serve_command(
+    listen: str,
+    engines: tuple[str, ...],
+    policy: str,
+    poll_interval: float,
+    starvation_seconds: float,
+    max_attempts: int,
+    request_timeout: float,
+    k8s_selector: str,
+    k8s_namespace: str,
+    k8s_port: int,
+    k8s_interval: float,
+    metrics_port: int,
+    metrics_address: str,
+    drain_seconds: float,
+    log_level: str,
+) -> None:
+    """Serve the scheduler for a fleet of engines (static list and/or Kubernetes pods)."""
+    logs.configure(log_level)
+    config = ServerConfig(
+        listen=listen,
+        engines=[parse_engine(e) for e in engines],
+        scheduler=SchedulerConfig(
+            policy=policy,
+            poll_interval=poll_interval,
+            starvation_seconds=starvation_seconds,
+            max_attempts=max_attempts,
+            request_timeout=request_timeout,
+        ),
+        discovery=DiscoveryConfig(k8s_selector, k8s_namespace, k8s_port, k8s_interval)
+        if k8s_selector
+        else None,
+        metrics_port=metrics_port,
+        metrics_address=metrics_address,
+        drain_seconds=drain_seconds,
+    )
+    asyncio.run(serve(config))
+
+
+endpoint_option = click.option(
+    "--endpoint", default="127.0.0.1:50061", show_default=True, help="The scheduler, HOST:PORT."
+)
+
+
+def _call(endpoint: str, call: Callable[[SchedulerClient], Awaitable[T]]) -> T:
+    async def run() -> T:
+        async with SchedulerClient(endpoint, timeout=None) as client:
+            return await call(client)
+
+    return asyncio.run(run())
+
+
+def _echo(message: Any) -> None:
+    click.echo(json.dumps(MessageToDict(message), indent=2))
+
+
+@scheduler.command("status")
+@endpoint_option
+def status_command(endpoint: str) -> None:
+    """Print the engines, their capacity and use, and the queue (JSON)."""
+    _echo(_call(endpoint, lambda c: c.status()))
+
+
+@scheduler.command("add-engine")
+@endpoint_option
+@click.argument("engine", metavar="NAME=URL")
+def add_engine_command(endpoint: str, engine: str) -> None:
+    """Add an engine at run time."""
+    name, url = parse_engine(engine)
+    _call(endpoint, lambda c: c.add_engine(name, url))
+
+
+@scheduler.command("remove-engine")
+@endpoint_option
+@click.argument("name")
+def remove_engine_command(endpoint: str, name: str) -> None:
+    """Take an engine out (its turns in flight go elsewhere)."""
+    _call(endpoint, lambda c: c.remove_engine(name))
+
+
+@scheduler.command("update-weights")
+@endpoint_option
+@click.argument("weights_path")
+@click.option("--version", default=0, help="Weights version (0: the next one).")
+def update_weights_command(endpoint: str, weights_path: str, version: int) -> None:
+    """Make every engine load the weights in WEIGHTS_PATH (a Hugging Face folder)."""
+    _echo(_call(endpoint, lambda c: c.update_weights(weights_path, version)))

@@ -1,0 +1,105 @@
+"""Async Python client of the rollout scheduler (what the agent loop and the trainer call).
+
+Errors come back as `grpc.aio.AioRpcError`: UNAVAILABLE when no engine is left (or the
+scheduler is shutting down), INVALID_ARGUMENT for a turn no engine can hold or an engine
+refused, NOT_FOUND for an unknown engine name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grpc
+from kubestar.v1 import rollout_pb2 as pb
+from kubestar.v1 import rollout_pb2_grpc as pb_grpc
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def sampling_params(sampling: pb.SamplingParams | Mapping[str, Any] | None) -> pb.SamplingParams:
+    """A SamplingParams from a message, a dict of its fields (`{"temperature": 0.7}`), or None
+    (greedy)."""
+    if sampling is None:
+        return pb.SamplingParams()
+    if isinstance(sampling, pb.SamplingParams):
+        return sampling
+    return pb.SamplingParams(**dict(sampling))
+
+
+class SchedulerClient:
+    """One channel to a scheduler; create and use it inside one event loop.
+
+    `timeout` (seconds) bounds each call except `update_weights` (its own `timeout`).
+    """
+
+    def __init__(self, endpoint: str, timeout: float | None = None) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.RolloutSchedulerServiceStub | None = None
+
+    @property
+    def stub(self) -> pb_grpc.RolloutSchedulerServiceStub:
+        if self._stub is None:  # created lazily, inside the event loop that uses it
+            self._channel = grpc.aio.insecure_channel(self.endpoint, options=_CHANNEL_OPTIONS)
+            self._stub = pb_grpc.RolloutSchedulerServiceStub(self._channel)
+        return self._stub
+
+    async def generate(
+        self,
+        trajectory_id: str,
+        prompt_token_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: pb.SamplingParams | Mapping[str, Any] | None = None,
+    ) -> pb.GenerateResponse:
+        request = pb.GenerateRequest(
+            trajectory_id=trajectory_id,
+            prompt_token_ids=list(prompt_token_ids),
+            max_new_tokens=max_new_tokens,
+            sampling=sampling_params(sampling),
+        )
+        response: pb.GenerateResponse = await self.stub.Generate(request, timeout=self.timeout)
+        return response
+
+    async def end_trajectory(self, trajectory_id: str) -> None:
+        await self.stub.EndTrajectory(
+            pb.EndTrajectoryRequest(trajectory_id=trajectory_id), timeout=self.timeout
+        )
+
+    async def status(self) -> pb.GetSchedulerStatusResponse:
+        response: pb.GetSchedulerStatusResponse = await self.stub.GetSchedulerStatus(
+            pb.GetSchedulerStatusRequest(), timeout=self.timeout
+        )
+        return response
+
+    async def update_weights(
+        self, weights_path: str, version: int = 0, timeout: float | None = None
+    ) -> pb.UpdateWeightsResponse:
+        """Every engine loads the weights in `weights_path`; `version` 0 means "next"."""
+        response: pb.UpdateWeightsResponse = await self.stub.UpdateWeights(
+            pb.UpdateWeightsRequest(weights_path=weights_path, version=version), timeout=timeout
+        )
+        return response
+
+    async def add_engine(self, name: str, url: str) -> None:
+        await self.stub.AddEngine(pb.AddEngineRequest(name=name, url=url), timeout=self.timeout)
+
+    async def remove_engine(self, name: str) -> None:
+        await self.stub.RemoveEngine(pb.RemoveEngineRequest(name=name), timeout=self.timeout)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+            self._stub = None
+
+    async def __aenter__(self) -> SchedulerClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,388 @@
+"""The scheduler's pure core: engine state, vLLM /metrics parsing, admission policies.
+
+Nothing here does I/O, reads a clock or awaits: the async scheduler
+(`kubestar.scheduler.scheduler`) and a discrete-event simulator drive exactly the same
+functions, so what the simulator measures is what the service does.
+
+Interface (what a simulator needs)
+----------------------------------
+* `EngineState`: one engine as the scheduler sees it. Learned from /metrics (`apply_sample`):
+  `block_size`, `num_blocks` (capacity = blocks x block size), `kv_usage`, `running`,
+  `waiting`, `preemptions`; kept by the scheduler itself: `reserved_tokens`, `in_flight`,
+  `trajectories` (the prefix-affinity set), `healthy`. A simulator may set the fields directly.
+* `TurnRequest`: one trajectory turn (`trajectory_id`, `prompt_tokens`, `max_new_tokens`,
+  `seq` = arrival number, `enqueued_at` = arrival time in the caller's clock).
+* A policy is `choose(engines, request) -> EngineState | None` (`POLICIES[name]`); None means
+  "queue it". `kv_aware` may return None; `least_requests` and `round_robin` never do while
+  an engine is admitting (they send at once, as static assignment and upstream verl do).
+* `plan_admissions(queue, engines, policy, now)`: which queued turns go where now, in FIFO
+  order with backfilling and starvation protection; it `reserve`s on the chosen engines.
+* `reserve(engine, request)` when a turn is sent, `release(engine, reserved, used)` when it
+  ends; `check_fits(engines, request)` raises `RequestTooLarge` for a turn no engine can hold.
+
+KV-aware admission
+------------------
+Per engine, in tokens, with B = block size and N = number of KV blocks::
+
+    usable   = (N - 1) * B              # vLLM keeps one null block; kv_usage is over N - 1
+    observed = kv_usage * usable - released_since_sample
+    used     = max(observed, reserved)
+    free     = usable - used
+    need     = ceil((prompt + max_new_tokens) / B) * B
+    admit on an engine iff free >= need
+
+`reserved` is the sum of `need` over the turns the scheduler has in flight there: the most
+KV those turns can ever hold, so while the engine's cache holds only our turns, vLLM never has
+to preempt one. `observed` covers load the scheduler did not send (other clients) and keeps
+the estimate honest when reservations and reality drift. The two lags of /metrics are covered
+by the two terms: a turn admitted after the last sample is in `reserved` at once; a turn that
+finished after the last sample still shows in `kv_usage`, so its blocks are subtracted
+(`released_since_sample`) until the next sample shows them gone.
+
+Choice: the engine that holds the trajectory's prefix (its previous turn's engine) while it has
+room; otherwise the engine with the most free tokens (ties: fewer waiting in vLLM, fewer in
+flight, then list order).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+KV_AWARE = "kv-aware"
+LEAST_REQUESTS = "least-requests"
+ROUND_ROBIN = "round-robin"
+
+# After this long in the queue a turn that does not fit stops the turns behind it from
+# being admitted past it, so capacity drains until it fits (a big turn is never starved).
+DEFAULT_STARVATION_SECONDS = 5.0
+
+
+class RequestTooLarge(ValueError):
+    """The turn needs more KV cache (or context) than any engine has in total."""
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    trajectory_id: str
+    prompt_tokens: int
+    max_new_tokens: int
+    # Arrival number, unique per turn (round-robin assigns by it).
+    seq: int = 0
+    # Arrival time in the caller's clock (starvation protection).
+    enqueued_at: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.max_new_tokens
+
+
+@dataclass(frozen=True)
+class EngineSample:
+    """What one /metrics scrape of a vLLM engine says."""
+
+    block_size: int
+    num_blocks: int
+    kv_usage: float
+    running: int
+    waiting: int
+    preemptions: int
+    # The largest single engine core's blocks (a server with data parallelism has several).
+    max_core_blocks: int = 0
+
+
+@dataclass
+class EngineState:
+    name: str
+    url: str = ""
+    # Healthy: answering; only healthy engines that are not being removed take turns.
+    healthy: bool = False
+    # At least one probe has finished (until then an engine counts as possibly alive).
+    probed: bool = False
+    removing: bool = False
+    # From vllm:cache_config_info.
+    block_size: int = 0
+    num_blocks: int = 0
+    max_core_blocks: int = 0
+    # From /v1/models; 0 = unknown.
+    max_model_len: int = 0
+    # Live gauges from the last sample.
+    kv_usage: float = 0.0
+    running: int = 0
+    waiting: int = 0
+    preemptions: int = 0
+    # The scheduler's own bookkeeping.
+    reserved_tokens: int = 0
+    in_flight: int = 0
+    released_since_sample: int = 0
+    trajectories: set[str] = field(default_factory=set)
+    weights_version: int = 0
+
+    @property
+    def admitting(self) -> bool:
+        return self.healthy and not self.removing
+
+    @property
+    def capacity_known(self) -> bool:
+        return self.block_size > 0 and self.num_blocks > 1
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Blocks x block size, as vLLM reports it (kv_cache_size_tokens)."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def usable_tokens(self) -> int:
+        return max(0, self.num_blocks - 1) * self.block_size
+
+    @property
+    def observed_used_tokens(self) -> int:
+        observed = round(self.kv_usage * self.usable_tokens) - self.released_since_sample
+        return max(0, observed)
+
+    @property
+    def used_tokens(self) -> int:
+        return max(self.observed_used_tokens, self.reserved_tokens)
+
+    @property
+    def free_tokens(self) -> int:
+        return self.usable_tokens - self.used_tokens
+
+    def blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.block_size) * self.block_size if self.block_size else tokens
+
+    def need(self, request: TurnRequest) -> int:
+        """The most KV (tokens, whole blocks) the turn can hold on this engine."""
+        return self.blocks_for(request.tokens)
+
+    def largest_request_tokens(self) -> int:
+        """The largest `need` this engine can ever hold (0: not known yet)."""
+        if not self.capacity_known:
+            return 0
+        blocks = min(self.num_blocks, self.max_core_blocks or self.num_blocks)
+        return (blocks - 1) * self.block_size
+
+    def can_ever_hold(self, request: TurnRequest) -> bool:
+        if self.max_model_len and request.tokens > self.max_model_len:
+            return False
+        return not self.capacity_known or self.need(request) <= self.largest_request_tokens()
+
+    def fits(self, request: TurnRequest) -> bool:
+        return (
+            self.capacity_known
+            and self.can_ever_hold(request)
+            and self.free_tokens >= self.need(request)
+        )
+
+
+Policy = Callable[[Sequence[EngineState], TurnRequest], "EngineState | None"]
+
+
+def _affine(engines: Iterable[EngineState], request: TurnRequest) -> EngineState | None:
+    if not request.trajectory_id:
+        return None
+    for engine in engines:
+        if request.trajectory_id in engine.trajectories:
+            return engine
+    return None
+
+
+def kv_aware(engines: Sequence[EngineState], request: TurnRequest) -> EngineState | None:
+    """Prefix affinity while it has room, else most free KV; None (queue) when nothing fits."""
+    candidates = [e for e in engines if e.admitting and e.fits(request)]
+    if not candidates:
+        return None
+    affine = _affine(candidates, request)
+    if affine is not None:
+        return affine
+    order = {id(e): i for i, e in enumerate(candidates)}
+    return min(candidates, key=lambda e: (-e.free_tokens, e.waiting, e.in_flight, order[id(e)]))
+
+
+def least_requests(engines: Sequence[EngineState], request: TurnRequest) -> EngineState | None:
+    """Upstream verl: a trajectory stays where it started, new ones go to the fewest in flight."""
+    candidates = [e for e in engines if e.admitting and e.can_ever_hold(request)]
+    if not candidates:
+        return None
+    affine = _affine(candidates, request)
+    if affine is not None:
+        return affine
+    order = {id(e): i for i, e in enumerate(candidates)}
+    return min(candidates, key=lambda e: (e.in_flight, order[id(e)]))
+
+
+def round_robin(engines: Sequence[EngineState], request: TurnRequest) -> EngineState | None:
+    """Static assignment: a trajectory stays where it started, new ones go in turn."""
+    candidates = [e for e in engines if e.admitting and e.can_ever_hold(request)]
+    if not candidates:
+        return None
+    affine = _affine(candidates, request)
+    if affine is not None:
+        return affine
+    return candidates[request.seq % len(candidates)]
+
+
+POLICIES: dict[str, Policy] = {
+    KV_AWARE: kv_aware,
+    LEAST_REQUESTS: least_requests,
+    ROUND_ROBIN: round_robin,
+}
+
+# Policies that never queue while an engine is admitting.
+IMMEDIATE_POLICIES = frozenset({LEAST_REQUESTS, ROUND_ROBIN})
+
+
+def check_fits(engines: Sequence[EngineState], request: TurnRequest) -> None:
+    """Raise RequestTooLarge when no engine (alive or not yet known) could ever run the turn.
+
+    Engines whose capacity is not known yet give the turn the benefit of the doubt.
+    """
+    candidates = [e for e in engines if not e.removing and (e.healthy or not e.probed)]
+    if not candidates or any(e.can_ever_hold(request) for e in candidates):
+        return
+    largest = max(e.largest_request_tokens() for e in candidates)
+    limits = [e.max_model_len for e in candidates if e.max_model_len]
+    context = f", context length {max(limits)}" if limits else ""
+    raise RequestTooLarge(
+        f"turn needs {request.prompt_tokens} prompt + {request.max_new_tokens} new tokens "
+        f"({candidates[0].need(request)} KV tokens in whole blocks); the largest engine "
+        f"holds {largest} KV tokens{context}"
+    )
+
+
+def plan_admissions(
+    queue: Sequence[TurnRequest],
+    engines: Sequence[EngineState],
+    policy: Policy,
+    now: float,
+    starvation_seconds: float = DEFAULT_STARVATION_SECONDS,
+) -> list[tuple[TurnRequest, EngineState]]:
+    """The queued turns to send now and where, reserving for each on its engine.
+
+    Turns are considered in queue order; one that does not fit is skipped (later, smaller
+    turns may fill the room left), unless it has waited `starvation_seconds`: then nothing
+    behind it is admitted until it fits.
+    """
+    admitted: list[tuple[TurnRequest, EngineState]] = []
+    admitting = [e for e in engines if e.admitting]
+    if not admitting:
+        return admitted
+    for request in queue:
+        engine = policy(engines, request)
+        if engine is None:
+            if now - request.enqueued_at >= starvation_seconds:
+                break
+            continue
+        reserve(engine, request)
+        admitted.append((request, engine))
+        # Nothing more can fit anywhere: stop scanning a long queue.
+        if policy is kv_aware and all(
+            not e.capacity_known or e.free_tokens < e.block_size for e in admitting
+        ):
+            break
+    return admitted
+
+
+def reserve(engine: EngineState, request: TurnRequest) -> int:
+    """Book a turn on an engine; returns the tokens reserved (give them back to `release`)."""
+    need = engine.need(request)
+    engine.reserved_tokens += need
+    engine.in_flight += 1
+    return need
+
+
+def release(engine: EngineState, reserved: int, used_tokens: int = 0) -> None:
+    """A turn ended. `used_tokens` (prompt + generated) is what the engine's last sample may
+    still count; it is discounted from the observed use until the next sample."""
+    engine.reserved_tokens = max(0, engine.reserved_tokens - reserved)
+    engine.in_flight = max(0, engine.in_flight - 1)
+    if used_tokens:
+        engine.released_since_sample += engine.blocks_for(used_tokens)
+
+
+def apply_sample(
+    engine: EngineState, sample: EngineSample, released_during_scrape: int = 0
+) -> None:
+    """Take a fresh /metrics sample. `released_during_scrape`: the part of
+    `released_since_sample` released after the scrape began (the sample may not show it)."""
+    engine.block_size = sample.block_size
+    engine.num_blocks = sample.num_blocks
+    engine.max_core_blocks = sample.max_core_blocks
+    engine.kv_usage = sample.kv_usage
+    engine.running = sample.running
+    engine.waiting = sample.waiting
+    engine.preemptions = sample.preemptions
+    engine.released_since_sample = max(0, min(engine.released_since_sample, released_during_scrape))
+
+
+# Only these lines are parsed: a vLLM scrape is ~50 kB, mostly histograms we do not need.
+_WANTED = (
+    "vllm:cache_config_info",
+    "vllm:kv_cache_usage_perc",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:num_preemptions_total",
+)
+
+
+def _wanted_lines(text: str) -> str:
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("vllm:"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in _WANTED:
+                lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def _int_label(labels: dict[str, str], name: str) -> int:
+    try:
+        return int(float(labels.get(name, "")))
+    except ValueError:
+        return 0
+
+
+def parse_vllm_metrics(text: str) -> EngineSample:
+    """Capacity and live use from a vLLM /metrics text (Prometheus exposition format).
+
+    Several engine cores in one server (data parallelism, label `engine`) are summed; the
+    usage is their block-weighted mean. Raises ValueError when the text has no cache config.
+    """
+    block_size = 0
+    core_blocks: dict[str, int] = {}
+    usage: dict[str, float] = {}
+    running = waiting = preemptions = 0.0
+    for family in text_string_to_metric_families(_wanted_lines(text)):
+        for sample in family.samples:
+            core = sample.labels.get("engine", "0")
+            if sample.name == "vllm:cache_config_info":
+                block_size = _int_label(sample.labels, "block_size") or block_size
+                blocks = _int_label(sample.labels, "num_gpu_blocks")
+                if not blocks and block_size:
+                    blocks = _int_label(sample.labels, "kv_cache_size_tokens") // block_size
+                core_blocks[core] = blocks
+            elif sample.name == "vllm:kv_cache_usage_perc":
+                usage[core] = float(sample.value)
+            elif sample.name == "vllm:num_requests_running":
+                running += sample.value
+            elif sample.name == "vllm:num_requests_waiting":
+                waiting += sample.value
+            elif sample.name == "vllm:num_preemptions_total":
+                preemptions += sample.value
+    if not block_size or not core_blocks or not any(core_blocks.values()):
+        raise ValueError("no vllm:cache_config_info with block_size and num_gpu_blocks")
+    num_blocks = sum(core_blocks.values())
+    usable = sum(max(0, b - 1) for b in core_blocks.values())
+    used = sum(usage.get(core, 0.0) * max(0, b - 1) for core, b in core_blocks.items())
+    return EngineSample(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        kv_usage=min(1.0, used / usable) if usable else 0.0,
+        running=int(running),
+        waiting=int(waiting),
+        preemptions=int(preemptions),
+        max_core_blocks=max(core_blocks.values()),
+    )

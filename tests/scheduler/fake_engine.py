@@ -1,0 +1,210 @@
+"""An in-process stand-in for a vLLM OpenAI server, for the scheduler's fast unit tests.
+
+It speaks the few endpoints the scheduler uses (/v1/completions with token ids, /metrics in
+vLLM's format, /health, /v1/models, and the weight-reload dev endpoints) and models the KV
+cache in whole blocks: a turn holds ceil((prompt + generated) / block_size) blocks, and a
+turn that needs a block when none is free counts a preemption (and waits, as vLLM would).
+The real engines are exercised by the integration tests (test_vllm*.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+
+@dataclass(eq=False)
+class _Running:
+    prompt: int
+    generated: int = 0
+    # Preempted: its KV was freed; it comes back when its blocks fit again.
+    evicted: bool = False
+
+    def blocks(self, block_size: int, extra: int = 0) -> int:
+        if self.evicted and not extra:
+            return 0
+        return math.ceil((self.prompt + self.generated + extra) / block_size)
+
+
+@dataclass
+class FakeEngine:
+    num_blocks: int = 17
+    block_size: int = 16
+    max_model_len: int = 1024
+    # Seconds per generated token, and before /metrics answers.
+    token_delay: float = 0.002
+    metrics_delay: float = 0.0
+    # "": normal; "500": every completion fails with HTTP 500; "hang": completions never end.
+    fail: str = ""
+    weights: str = "base"
+    preemptions: int = 0
+    requests: list[tuple[int, int]] = field(default_factory=list)
+    max_running: int = 0
+    reloads: list[str] = field(default_factory=list)
+    paused: bool = False
+    port: int = 0
+    running: list[_Running] = field(default_factory=list)
+    down: bool = False
+    _runner: web.AppRunner | None = None
+    _requests: dict[int, web.Request] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def used_blocks(self) -> int:
+        return sum(r.blocks(self.block_size) for r in self.running)
+
+    async def start(self, port: int = 0) -> FakeEngine:
+        self.down = False
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._complete)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/pause", self._pause)
+        app.router.add_post("/resume", self._resume)
+        app.router.add_post("/collective_rpc", self._collective_rpc)
+        app.router.add_post("/reset_prefix_cache", self._ok)
+        # Like vLLM, abort a request whose client went away.
+        self._runner = web.AppRunner(
+            app, handle_signals=False, access_log=None, handler_cancellation=True
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", port or self.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        return self
+
+    def kill(self) -> None:
+        """Drop every open connection now; requests that still arrive are dropped too."""
+        self.down = True
+        for request in list(self._requests.values()):
+            if request.transport is not None:
+                request.transport.close()
+        self.running.clear()
+
+    async def crash(self) -> None:
+        """kill(), then stop listening (connection refused from now on)."""
+        self.kill()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def stop(self) -> None:
+        await self.crash()
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        prompt: list[int] = body["prompt"]
+        max_tokens: int = body["max_tokens"]
+        self.requests.append((len(prompt), max_tokens))
+        if len(prompt) + max_tokens > self.max_model_len:
+            return web.json_response(
+                {"error": {"message": "longer than max_model_len", "code": 400}}, status=400
+            )
+        if self.fail == "500":
+            return web.json_response({"error": {"message": "engine dead"}}, status=500)
+        self._requests[id(request)] = request
+        if self.down and request.transport is not None:
+            request.transport.close()
+        turn = _Running(prompt=len(prompt))
+        self.running.append(turn)
+        self.max_running = max(self.max_running, len(self.running))
+        try:
+            while turn.generated < max_tokens:
+                await asyncio.sleep(self.token_delay)
+                if self.down:
+                    raise ConnectionResetError("the fake engine crashed")
+                if self.fail == "hang" or self.paused:
+                    continue
+                usable = self.num_blocks - 1
+                if turn.evicted:
+                    if self.used_blocks + turn.blocks(self.block_size, 1) > usable:
+                        continue
+                    turn.evicted = False
+                elif (turn.prompt + turn.generated) % self.block_size == 0 and (
+                    self.used_blocks + 1 > usable
+                ):
+                    self.preemptions += 1  # no free block: vLLM preempts (recomputes later)
+                    turn.evicted = True
+                    continue
+                turn.generated += 1
+        finally:
+            self._requests.pop(id(request), None)
+            if turn in self.running:
+                self.running.remove(turn)
+        seed = zlib.crc32(f"{self.weights}:{sum(prompt)}".encode())
+        tokens = [(seed + i * 7919) % 1000 + 10 for i in range(max_tokens)]
+        choice: dict[str, Any] = {
+            "text": " ".join(map(str, tokens)),
+            "token_ids": tokens,
+            "finish_reason": "length",
+            "stop_reason": None,
+        }
+        if body.get("logprobs") is not None:
+            choice["logprobs"] = {"token_logprobs": [-0.5] * len(tokens)}
+        return web.json_response({"choices": [choice]})
+
+    def metrics_text(self) -> str:
+        labels = 'engine="0",model_name="policy"'
+        usable = self.num_blocks - 1
+        usage = self.used_blocks / usable if usable else 0.0
+        return "\n".join(
+            [
+                "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+                "# TYPE vllm:num_requests_running gauge",
+                f"vllm:num_requests_running{{{labels}}} {float(len(self.running))}",
+                "# TYPE vllm:num_requests_waiting gauge",
+                f"vllm:num_requests_waiting{{{labels}}} 0.0",
+                f'vllm:num_requests_waiting_by_reason{{{labels},reason="capacity"}} 0.0',
+                "# TYPE vllm:kv_cache_usage_perc gauge",
+                f"vllm:kv_cache_usage_perc{{{labels}}} {usage}",
+                "# TYPE vllm:num_preemptions_total counter",
+                f"vllm:num_preemptions_total{{{labels}}} {float(self.preemptions)}",
+                f"vllm:num_preemptions_created{{{labels}}} 1.7e9",
+                "# TYPE vllm:cache_config_info gauge",
+                f'vllm:cache_config_info{{block_size="{self.block_size}",engine="0",'
+                f'num_gpu_blocks="{self.num_blocks}",'
+                f'kv_cache_size_tokens="{self.num_blocks * self.block_size}"}} 1.0',
+                f'vllm:request_prompt_tokens_bucket{{{labels},le="1.0"}} 0.0',
+                "",
+            ]
+        )
+
+    async def _metrics(self, request: web.Request) -> web.StreamResponse:
+        if self.metrics_delay:
+            await asyncio.sleep(self.metrics_delay)
+        return web.Response(text=self.metrics_text(), content_type="text/plain")
+
+    async def _health(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(status=200)
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response({"data": [{"id": "policy", "max_model_len": self.max_model_len}]})
+
+    async def _pause(self, request: web.Request) -> web.StreamResponse:
+        self.paused = True
+        return web.json_response({})
+
+    async def _resume(self, request: web.Request) -> web.StreamResponse:
+        self.paused = False
+        return web.json_response({})
+
+    async def _collective_rpc(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        path = body["kwargs"]["weights_path"]
+        if path.endswith("missing"):
+            return web.json_response({"error": {"message": "no such folder"}}, status=500)
+        self.weights = path
+        self.reloads.append(path)
+        return web.json_response({"results": [None]})
+
+    async def _ok(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response({})
