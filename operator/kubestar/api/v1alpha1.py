@@ -24,7 +24,8 @@ class Spec(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
 
-Quantity = str | int | float
+# As in a Pod's resources; the CRD types it int-or-string ("500m", "64Gi", 8).
+Quantity = str | int
 
 
 class ResourceRequirements(Spec):
@@ -59,6 +60,7 @@ class SandboxPoolSpec(Spec):
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
     # gVisor (runsc) or Kata in production clusters.
     runtime_class_name: str | None = None
+    port: int = Field(50051, ge=1, le=65535)
 
 
 # --- RolloutFleet ------------------------------------------------------------------------
@@ -82,18 +84,22 @@ class EngineSpec(Spec):
     kv_cache_bytes: int = Field(0, ge=0)
     max_num_seqs: int = Field(64, ge=1, le=4096)
     extra_args: list[str] = Field(default_factory=list)
+    port: int = Field(8000, ge=1, le=65535)
 
 
 class SchedulerSpec(Spec):
     policy: Literal["kv-aware", "least-requests", "round-robin"] = "kv-aware"
     # How often engines' /metrics are read.
     metrics_interval_seconds: float = Field(0.2, gt=0, le=60)
+    port: int = Field(50061, ge=1, le=65535)
 
 
 class RolloutFleetSpec(Spec):
     model: ModelSource = Field(default_factory=ModelSource)
     replicas: int = Field(1, ge=0, le=1024)
     # amd: amd.com/gpu on ROCm nodes; nvidia: nvidia.com/gpu; cpu: vLLM's CPU build.
+    # Omitted on a cluster: the chart's accelerator.vendor (the CRD sets no default);
+    # omitted in a local run: cpu.
     accelerator: Literal["amd", "nvidia", "cpu"] = "cpu"
     engine: EngineSpec = Field(default_factory=EngineSpec)
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
@@ -167,6 +173,9 @@ class TrainerSpec(Spec):
     ray_address: str = ""
     micro_batch_size: int = Field(4, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Datasets on a cluster: a PVC mounted read-only at dataMountPath in the trainer pods.
+    data_pvc_claim_name: str | None = None
+    data_mount_path: str = "/data"
 
 
 class CheckpointSpec(Spec):
@@ -240,6 +249,41 @@ class TrainingRunStatus(Spec):
     estimated_seconds_left: float | None = None
     observed_generation: int = 0
     conditions: list[Condition] = Field(default_factory=list)
+    # Written by the operator: "step/totalSteps" for `kubectl get`, and the trainer's workload.
+    step_summary: str = ""
+    trainer: str = ""
+
+
+class SandboxPoolStatus(Spec):
+    observed_generation: int = 0
+    replicas: int = 0
+    ready_replicas: int = 0
+    # Concurrent executions: ready worker pods x executors per pod.
+    capacity: int = 0
+    # The dispatcher's gRPC address (HOST:PORT).
+    endpoint: str = ""
+    conditions: list[Condition] = Field(default_factory=list)
+
+
+class EngineStatus(Spec):
+    name: str
+    ready: bool = False
+    # KV capacity in tokens (vLLM's blocks x block size), as the scheduler reports it.
+    kv_capacity_tokens: int | None = None
+    kv_usage: float | None = None
+
+
+class RolloutFleetStatus(Spec):
+    observed_generation: int = 0
+    # The accelerator in use (spec.accelerator, or the cluster's default).
+    accelerator: str = ""
+    replicas: int = 0
+    ready_replicas: int = 0
+    # The scheduler's gRPC address (HOST:PORT).
+    scheduler_endpoint: str = ""
+    engines: list[EngineStatus] = Field(default_factory=list)
+    kv_capacity_tokens: int | None = None
+    conditions: list[Condition] = Field(default_factory=list)
 
 
 # --- Resources and manifests -------------------------------------------------------------
@@ -253,7 +297,9 @@ class Metadata(BaseModel):
 
 class Resource(BaseModel):
     model_config = ConfigDict(populate_by_name=True, extra="forbid")
-    api_version: Literal["kubestar.dev/v1alpha1"] = Field("kubestar.dev/v1alpha1", alias="apiVersion")
+    api_version: Literal["kubestar.dev/v1alpha1"] = Field(
+        "kubestar.dev/v1alpha1", alias="apiVersion"
+    )
     metadata: Metadata
     status: dict[str, Any] | None = None
 

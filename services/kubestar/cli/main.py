@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import click
 from kubestar.cli.engine import engine, model
+from kubestar.cli.eval import evaluate
+from kubestar.cli.operator import operator
 from kubestar.cli.rollout import rollout
 from kubestar.cli.sandbox import sandbox
 from kubestar.cli.scheduler import scheduler
+from kubestar.cli.train import train
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -20,6 +23,9 @@ cli.add_command(scheduler)
 cli.add_command(rollout)
 cli.add_command(engine)
 cli.add_command(model)
+cli.add_command(operator)
+cli.add_command(train)
+cli.add_command(evaluate)
 
 
 def main() -> None:

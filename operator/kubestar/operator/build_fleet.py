@@ -1,0 +1,376 @@
+"""Children of a RolloutFleet (pure): a Deployment of vLLM engines, and the KV-aware
+scheduler (Deployment, Service, and a ServiceAccount allowed to list the fleet's pods: it
+discovers the ready engines by label selector).
+
+Engines by accelerator: `amd` runs vLLM's ROCm image and asks for `amd.com/gpu`, `nvidia`
+vLLM's CUDA image and `nvidia.com/gpu` (tensorParallelSize GPUs per engine, tolerating the
+usual GPU taints), `cpu` kubestar's engine image (vLLM's CPU build) through
+`kubestar engine serve`. GPU images run vLLM's OpenAI server directly, with its development
+endpoints on (VLLM_SERVER_DEV_MODE=1) since the trainer pushes weights through them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kubestar.api.v1alpha1 import RolloutFleetSpec
+from kubestar.engine.launch import SERVED_MODEL_NAME, EngineSettings
+from kubestar.operator import objects as o
+from kubestar.operator.settings import OperatorSettings
+
+ENGINE = "engine"
+SCHEDULER = "scheduler"
+GPU_RESOURCE = {"amd": "amd.com/gpu", "nvidia": "nvidia.com/gpu"}
+MODEL_MOUNT = "/models"
+
+
+def engine_name(fleet: str) -> str:
+    return o.child_name(fleet, "engine")
+
+
+def scheduler_name(fleet: str) -> str:
+    return o.child_name(fleet, "scheduler")
+
+
+def engine_selector(fleet: str) -> dict[str, str]:
+    return o.selector_labels("RolloutFleet", fleet, ENGINE)
+
+
+def scheduler_endpoint(
+    fleet: str, namespace: str, spec: RolloutFleetSpec, settings: OperatorSettings
+) -> str:
+    if settings.network.host_network:
+        return f"127.0.0.1:{spec.scheduler.port}"
+    domain = settings.network.cluster_domain
+    return f"{scheduler_name(fleet)}.{namespace}.svc.{domain}:{spec.scheduler.port}"
+
+
+def model_argument(spec: RolloutFleetSpec) -> str:
+    """What the engine's --model gets: a PVC mount, a path, or an embedded/hub name."""
+    model = spec.model
+    if model.pvc_claim_name:
+        return f"{MODEL_MOUNT}/{model.pvc_sub_path}".rstrip("/")
+    return model.path or model.name
+
+
+def engine_image(spec: RolloutFleetSpec, settings: OperatorSettings) -> str:
+    if spec.engine.image:
+        return spec.engine.image
+    images = settings.images
+    return {
+        "amd": images.engine_rocm,
+        "nvidia": images.engine_cuda,
+        "cpu": images.engine_cpu,
+    }[spec.accelerator]
+
+
+def engine_command(spec: RolloutFleetSpec) -> list[str]:
+    engine = spec.engine
+    if spec.accelerator == "cpu":
+        command = [
+            "kubestar",
+            "engine",
+            "serve",
+            "--model",
+            model_argument(spec),
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(engine.port),
+            "--device",
+            "cpu",
+            "--max-model-len",
+            str(engine.max_model_len),
+            "--kv-cache-bytes",
+            str(engine.kv_cache_bytes),
+            "--max-num-seqs",
+            str(engine.max_num_seqs),
+        ]
+        return command + (["--", *engine.extra_args] if engine.extra_args else [])
+    settings = EngineSettings(
+        model=model_argument(spec),
+        host="0.0.0.0",
+        port=engine.port,
+        max_model_len=engine.max_model_len,
+        kv_cache_bytes=engine.kv_cache_bytes,
+        tensor_parallel_size=engine.tensor_parallel_size,
+        gpu_memory_utilization=engine.gpu_memory_utilization,
+        device="rocm" if spec.accelerator == "amd" else "cuda",
+        max_num_seqs=engine.max_num_seqs,
+        extra_args=list(engine.extra_args),
+        python="python3",
+    )
+    return settings.command()
+
+
+def engine_env(spec: RolloutFleetSpec) -> dict[str, str]:
+    env = {
+        "VLLM_SERVER_DEV_MODE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
+    if spec.accelerator == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        env["HOME"] = "/tmp"
+    return env
+
+
+def engine_resources(spec: RolloutFleetSpec) -> o.Obj:
+    requests = dict(spec.resources.requests)
+    limits = dict(spec.resources.limits)
+    gpu = GPU_RESOURCE.get(spec.accelerator)
+    if gpu:
+        limits.setdefault(gpu, spec.engine.tensor_parallel_size)
+        requests.setdefault(gpu, limits[gpu])
+    return o.resources(requests, limits)
+
+
+def _network(pod: o.Obj, settings: OperatorSettings) -> None:
+    if settings.network.host_network:
+        pod["hostNetwork"] = True
+        pod["dnsPolicy"] = "ClusterFirstWithHostNet"
+
+
+def _api_server_env(settings: OperatorSettings) -> dict[str, str]:
+    if not settings.network.api_server_host:
+        return {}
+    return {
+        "KUBERNETES_SERVICE_HOST": settings.network.api_server_host,
+        "KUBERNETES_SERVICE_PORT": str(settings.network.api_server_port),
+    }
+
+
+def engine_deployment(
+    fleet: Mapping[str, Any], spec: RolloutFleetSpec, settings: OperatorSettings
+) -> o.Obj:
+    name = fleet["metadata"]["name"]
+    port = spec.engine.port
+    container: o.Obj = {
+        "name": "engine",
+        "image": engine_image(spec, settings),
+        "imagePullPolicy": settings.images.pull_policy,
+        "command": engine_command(spec),
+        "env": o.env_list(engine_env(spec)),
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "resources": engine_resources(spec),
+        "startupProbe": {
+            "httpGet": {"path": "/health", "port": port},
+            "periodSeconds": 10,
+            # Loading a large model takes minutes: allow 30.
+            "failureThreshold": 180,
+        },
+        "readinessProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 5},
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": port},
+            "periodSeconds": 30,
+            "failureThreshold": 5,
+        },
+        "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}],
+    }
+    volumes: list[o.Obj] = [{"name": "shm", "emptyDir": {"medium": "Memory"}}]
+    if spec.accelerator == "cpu":
+        container["volumeMounts"].append({"name": "tmp", "mountPath": "/tmp"})
+        volumes.append({"name": "tmp", "emptyDir": {}})
+    if spec.model.pvc_claim_name:
+        container["volumeMounts"].append(
+            {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+        )
+        volumes.append(
+            {
+                "name": "model",
+                "persistentVolumeClaim": {
+                    "claimName": spec.model.pvc_claim_name,
+                    "readOnly": True,
+                },
+            }
+        )
+    if settings.network.host_network:
+        container["ports"][0]["hostPort"] = port
+    pod: o.Obj = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "containers": [container],
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": 30,
+    }
+    gpu = GPU_RESOURCE.get(spec.accelerator)
+    if gpu:
+        pod["tolerations"] = [{"key": gpu, "operator": "Exists", "effect": "NoSchedule"}]
+    _network(pod, settings)
+    return o.with_hash(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": o.metadata(fleet, engine_name(name), ENGINE),
+            "spec": {
+                "replicas": spec.replicas,
+                # A new engine cannot get GPUs while the old one holds them.
+                "strategy": {"type": "Recreate"},
+                "selector": {"matchLabels": engine_selector(name)},
+                "template": {
+                    "metadata": {
+                        "labels": o.labels("RolloutFleet", name, ENGINE),
+                        "annotations": {"kubestar.dev/served-model-name": SERVED_MODEL_NAME},
+                    },
+                    "spec": pod,
+                },
+            },
+        }
+    )
+
+
+def scheduler_service_account(fleet: Mapping[str, Any]) -> o.Obj:
+    name = fleet["metadata"]["name"]
+    return o.with_hash(
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": o.metadata(fleet, scheduler_name(name), SCHEDULER),
+        }
+    )
+
+
+def scheduler_role(fleet: Mapping[str, Any]) -> o.Obj:
+    name = fleet["metadata"]["name"]
+    return o.with_hash(
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": o.metadata(fleet, scheduler_name(name), SCHEDULER),
+            "rules": [
+                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+            ],
+        }
+    )
+
+
+def scheduler_role_binding(fleet: Mapping[str, Any]) -> o.Obj:
+    meta = fleet["metadata"]
+    name = scheduler_name(meta["name"])
+    return o.with_hash(
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": o.metadata(fleet, name, SCHEDULER),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [
+                {
+                    "kind": "ServiceAccount",
+                    "name": name,
+                    "namespace": meta.get("namespace", "default"),
+                }
+            ],
+        }
+    )
+
+
+def scheduler_deployment(
+    fleet: Mapping[str, Any], spec: RolloutFleetSpec, settings: OperatorSettings
+) -> o.Obj:
+    meta = fleet["metadata"]
+    name = meta["name"]
+    port = spec.scheduler.port
+    metrics = settings.ports.scheduler_metrics
+    selector = ",".join(f"{k}={v}" for k, v in engine_selector(name).items())
+    container: o.Obj = {
+        "name": "scheduler",
+        "image": settings.images.kubestar,
+        "imagePullPolicy": settings.images.pull_policy,
+        "command": [
+            "kubestar",
+            "scheduler",
+            "serve",
+            "--listen",
+            f"0.0.0.0:{port}",
+            "--policy",
+            spec.scheduler.policy,
+            "--poll-interval",
+            f"{spec.scheduler.metrics_interval_seconds:g}",
+            "--k8s-selector",
+            selector,
+            "--k8s-namespace",
+            meta.get("namespace", "default"),
+            "--k8s-port",
+            str(spec.engine.port),
+            "--k8s-interval",
+            "2",
+            "--metrics-port",
+            str(metrics),
+            "--metrics-address",
+            "0.0.0.0",
+        ],
+        "env": o.env_list({"PYTHONUNBUFFERED": "1", "HOME": "/tmp", **_api_server_env(settings)}),
+        "ports": [
+            {"name": "grpc", "containerPort": port, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": metrics, "protocol": "TCP"},
+        ],
+        "resources": {"requests": {"cpu": "200m", "memory": "256Mi"}},
+        "readinessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 5},
+        "securityContext": o.restricted_container_security(),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    if settings.network.host_network:
+        for item in container["ports"]:
+            item["hostPort"] = item["containerPort"]
+    pod: o.Obj = {
+        "serviceAccountName": scheduler_name(name),
+        "enableServiceLinks": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532},
+        "containers": [container],
+        "volumes": [{"name": "tmp", "emptyDir": {}}],
+    }
+    _network(pod, settings)
+    return o.with_hash(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": o.metadata(fleet, scheduler_name(name), SCHEDULER),
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": o.selector_labels("RolloutFleet", name, SCHEDULER)},
+                "template": {
+                    "metadata": {"labels": o.labels("RolloutFleet", name, SCHEDULER)},
+                    "spec": pod,
+                },
+            },
+        }
+    )
+
+
+def scheduler_service(fleet: Mapping[str, Any], spec: RolloutFleetSpec) -> o.Obj:
+    name = fleet["metadata"]["name"]
+    return o.with_hash(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": o.metadata(fleet, scheduler_name(name), SCHEDULER),
+            "spec": {
+                "selector": o.selector_labels("RolloutFleet", name, SCHEDULER),
+                "ports": [
+                    {
+                        "name": "grpc",
+                        "port": spec.scheduler.port,
+                        "targetPort": "grpc",
+                        "protocol": "TCP",
+                    }
+                ],
+            },
+        }
+    )
+
+
+def children(
+    fleet: Mapping[str, Any], spec: RolloutFleetSpec, settings: OperatorSettings
+) -> list[o.Obj]:
+    """Everything a RolloutFleet owns, in creation order."""
+    return [
+        engine_deployment(fleet, spec, settings),
+        scheduler_service_account(fleet),
+        scheduler_role(fleet),
+        scheduler_role_binding(fleet),
+        scheduler_service(fleet, spec),
+        scheduler_deployment(fleet, spec, settings),
+    ]

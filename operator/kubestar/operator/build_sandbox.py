@@ -1,0 +1,241 @@
+"""Children of a SandboxPool (pure): a StatefulSet of sandbox workers behind a headless
+Service (stable names the dispatcher dials), a dispatcher Deployment and its Service.
+
+Worker pods mount no service-account token, run as non-root with a read-only root
+filesystem (writable /tmp only), drop every capability, and take the pool's runtimeClassName
+(gVisor, Kata) when set. Workers listen on `spec.port + 1`, the dispatcher on `spec.port`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kubestar.api.v1alpha1 import SandboxPoolSpec
+from kubestar.operator import objects as o
+from kubestar.operator.settings import OperatorSettings
+
+WORKER = "sandbox-worker"
+DISPATCHER = "sandbox-dispatcher"
+
+
+def worker_name(pool: str) -> str:
+    return o.child_name(pool, "sandbox-worker")
+
+
+def dispatcher_name(pool: str) -> str:
+    return o.child_name(pool, "sandbox")
+
+
+def worker_port(spec: SandboxPoolSpec) -> int:
+    return spec.port + 1
+
+
+def worker_addresses(
+    pool: str, namespace: str, spec: SandboxPoolSpec, settings: OperatorSettings
+) -> list[str]:
+    """HOST:PORT of every worker, in ordinal order (what the dispatcher's --worker gets)."""
+    port = worker_port(spec)
+    if settings.network.host_network:
+        return [f"127.0.0.1:{port}"] * min(spec.replicas, 1)
+    name = worker_name(pool)
+    domain = settings.network.cluster_domain
+    return [f"{name}-{i}.{name}.{namespace}.svc.{domain}:{port}" for i in range(spec.replicas)]
+
+
+def endpoint(pool: str, namespace: str, spec: SandboxPoolSpec, settings: OperatorSettings) -> str:
+    if settings.network.host_network:
+        return f"127.0.0.1:{spec.port}"
+    domain = settings.network.cluster_domain
+    return f"{dispatcher_name(pool)}.{namespace}.svc.{domain}:{spec.port}"
+
+
+def _pod_security(settings: OperatorSettings) -> o.Obj:
+    uid = settings.sandbox.run_as_user
+    security: o.Obj = {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid, "fsGroup": uid}
+    if settings.sandbox.seccomp_runtime_default:
+        security["seccompProfile"] = {"type": "RuntimeDefault"}
+    return security
+
+
+def _pod_spec(spec: SandboxPoolSpec, settings: OperatorSettings, container: o.Obj) -> o.Obj:
+    pod: o.Obj = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": _pod_security(settings),
+        "containers": [container],
+        "volumes": [{"name": "tmp", "emptyDir": {}}],
+        "terminationGracePeriodSeconds": 45,
+    }
+    runtime_class = spec.runtime_class_name or settings.sandbox.runtime_class_name
+    if runtime_class:
+        pod["runtimeClassName"] = runtime_class
+    if settings.network.host_network:
+        pod["hostNetwork"] = True
+        pod["dnsPolicy"] = "ClusterFirstWithHostNet"
+    return pod
+
+
+def _container(
+    name: str,
+    spec: SandboxPoolSpec,
+    settings: OperatorSettings,
+    args: list[str],
+    port: int,
+    metrics_port: int,
+) -> o.Obj:
+    container: o.Obj = {
+        "name": name,
+        "image": spec.image or settings.images.kubestar,
+        "imagePullPolicy": settings.images.pull_policy,
+        "command": ["kubestar", "sandbox", "serve", *args],
+        "ports": [
+            {"name": "grpc", "containerPort": port, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"},
+        ],
+        "env": o.env_list({"PYTHONUNBUFFERED": "1", "HOME": "/tmp"}),
+        "securityContext": o.restricted_container_security(),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "readinessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 5},
+        "livenessProbe": {
+            "tcpSocket": {"port": port},
+            "periodSeconds": 20,
+            "failureThreshold": 6,
+        },
+    }
+    if settings.network.host_network:
+        for item in container["ports"]:
+            item["hostPort"] = item["containerPort"]
+    return container
+
+
+def worker_statefulset(
+    pool: Mapping[str, Any], spec: SandboxPoolSpec, settings: OperatorSettings
+) -> o.Obj:
+    name = pool["metadata"]["name"]
+    port = worker_port(spec)
+    metrics = settings.ports.sandbox_worker_metrics
+    args = [
+        "--listen",
+        f"0.0.0.0:{port}",
+        "--executors",
+        str(spec.executors_per_pod),
+        "--preload",
+        ",".join(spec.preload),
+        "--queue-timeout",
+        f"{spec.queue_timeout_seconds:g}",
+        "--metrics-port",
+        str(metrics),
+        "--metrics-address",
+        "0.0.0.0",
+    ]
+    container = _container("worker", spec, settings, args, port, metrics)
+    container["resources"] = o.resources(spec.resources.requests, spec.resources.limits)
+    selector = o.selector_labels("SandboxPool", name, WORKER)
+    return o.with_hash(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": o.metadata(pool, worker_name(name), WORKER),
+            "spec": {
+                "serviceName": worker_name(name),
+                "replicas": spec.replicas,
+                "podManagementPolicy": "Parallel",
+                "selector": {"matchLabels": selector},
+                "template": {
+                    "metadata": {"labels": o.labels("SandboxPool", name, WORKER)},
+                    "spec": _pod_spec(spec, settings, container),
+                },
+            },
+        }
+    )
+
+
+def worker_service(pool: Mapping[str, Any], spec: SandboxPoolSpec) -> o.Obj:
+    name = pool["metadata"]["name"]
+    return o.with_hash(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": o.metadata(pool, worker_name(name), WORKER),
+            "spec": {
+                "clusterIP": "None",
+                "publishNotReadyAddresses": True,
+                "selector": o.selector_labels("SandboxPool", name, WORKER),
+                "ports": [
+                    {
+                        "name": "grpc",
+                        "port": worker_port(spec),
+                        "targetPort": "grpc",
+                        "protocol": "TCP",
+                    }
+                ],
+            },
+        }
+    )
+
+
+def dispatcher_deployment(
+    pool: Mapping[str, Any], spec: SandboxPoolSpec, settings: OperatorSettings
+) -> o.Obj:
+    meta = pool["metadata"]
+    name = meta["name"]
+    metrics = settings.ports.sandbox_dispatcher_metrics
+    args = ["--listen", f"0.0.0.0:{spec.port}"]
+    for address in worker_addresses(name, meta.get("namespace", "default"), spec, settings):
+        args += ["--worker", address]
+    args += [
+        "--queue-timeout",
+        f"{spec.queue_timeout_seconds:g}",
+        "--metrics-port",
+        str(metrics),
+        "--metrics-address",
+        "0.0.0.0",
+    ]
+    container = _container("dispatcher", spec, settings, args, spec.port, metrics)
+    container["resources"] = {"requests": {"cpu": "100m", "memory": "128Mi"}}
+    selector = o.selector_labels("SandboxPool", name, DISPATCHER)
+    return o.with_hash(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": o.metadata(pool, dispatcher_name(name), DISPATCHER),
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": selector},
+                "template": {
+                    "metadata": {"labels": o.labels("SandboxPool", name, DISPATCHER)},
+                    "spec": _pod_spec(spec, settings, container),
+                },
+            },
+        }
+    )
+
+
+def dispatcher_service(pool: Mapping[str, Any], spec: SandboxPoolSpec) -> o.Obj:
+    name = pool["metadata"]["name"]
+    return o.with_hash(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": o.metadata(pool, dispatcher_name(name), DISPATCHER),
+            "spec": {
+                "selector": o.selector_labels("SandboxPool", name, DISPATCHER),
+                "ports": [
+                    {"name": "grpc", "port": spec.port, "targetPort": "grpc", "protocol": "TCP"}
+                ],
+            },
+        }
+    )
+
+
+def children(
+    pool: Mapping[str, Any], spec: SandboxPoolSpec, settings: OperatorSettings
+) -> list[o.Obj]:
+    """Everything a SandboxPool owns, in creation order."""
+    return [
+        worker_service(pool, spec),
+        worker_statefulset(pool, spec, settings),
+        dispatcher_service(pool, spec),
+        dispatcher_deployment(pool, spec, settings),
+    ]

@@ -1,0 +1,213 @@
+"""Conditions that tell the truth (pure): what is wrong with a resource's pods, and the
+condition list with transition times kept when nothing changed."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+# Container waiting reasons that mean "this will not start by itself".
+STUCK_WAITING = {
+    "ImagePullBackOff",
+    "ErrImagePull",
+    "ErrImageNeverPull",
+    "InvalidImageName",
+    "CrashLoopBackOff",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+    "RunContainerError",
+}
+# Worst first: the reason a condition shows when several pods have problems.
+SEVERITY = [
+    "OOMKilled",
+    "CrashLoopBackOff",
+    "ImagePullBackOff",
+    "ErrImagePull",
+    "ErrImageNeverPull",
+    "InvalidImageName",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+    "RunContainerError",
+    "InsufficientGPU",
+    "Unschedulable",
+    "Error",
+]
+GPU_RESOURCES = ("amd.com/gpu", "nvidia.com/gpu")
+# A condition turning False for these reasons is progress, not trouble (Normal events).
+QUIET_REASONS = {
+    "Progressing",
+    "Creating",
+    "WaitingForDependencies",
+    "Starting",
+    "Pending",
+    "Succeeded",
+    "Finished",
+}
+
+
+def now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class Problem:
+    pod: str
+    reason: str
+    message: str
+
+    def describe(self) -> str:
+        return f"pod {self.pod}: {self.reason}: {self.message}".rstrip(": ")
+
+
+def _short(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def diagnose_pod(pod: Mapping[str, Any]) -> list[Problem]:
+    """Why a pod is not (or will not be) running: image pulls, crash loops, OOM kills,
+    scheduling (with lack of GPUs named as such)."""
+    name = pod.get("metadata", {}).get("name", "?")
+    status = pod.get("status") or {}
+    problems: list[Problem] = []
+    containers = [
+        *(status.get("initContainerStatuses") or []),
+        *(status.get("containerStatuses") or []),
+    ]
+    for item in containers:
+        cname = item.get("name", "?")
+        state = item.get("state") or {}
+        last = item.get("lastState") or {}
+        waiting = state.get("waiting") or {}
+        terminated = state.get("terminated") or {}
+        last_terminated = last.get("terminated") or {}
+        if terminated.get("reason") == "OOMKilled" or last_terminated.get("reason") == "OOMKilled":
+            problems.append(
+                Problem(
+                    name,
+                    "OOMKilled",
+                    f"container {cname} was killed for using more memory than its limit "
+                    f"(restarts: {item.get('restartCount', 0)})",
+                )
+            )
+        elif waiting.get("reason") in STUCK_WAITING:
+            message = waiting.get("message") or ""
+            if waiting["reason"] == "CrashLoopBackOff" and last_terminated:
+                message = (
+                    f"last exit code {last_terminated.get('exitCode')}"
+                    f" ({last_terminated.get('reason', 'Error')}); {message}"
+                )
+            problems.append(
+                Problem(name, waiting["reason"], _short(f"container {cname}: {message}"))
+            )
+        elif terminated and terminated.get("exitCode", 0) != 0:
+            problems.append(
+                Problem(
+                    name,
+                    "Error",
+                    _short(
+                        f"container {cname} exited with code {terminated.get('exitCode')}: "
+                        f"{terminated.get('reason', '')} {terminated.get('message', '')}"
+                    ),
+                )
+            )
+    for cond in status.get("conditions") or []:
+        if (
+            cond.get("type") == "PodScheduled"
+            and cond.get("status") == "False"
+            and cond.get("reason") == "Unschedulable"
+        ):
+            message = cond.get("message") or ""
+            gpus = [g for g in GPU_RESOURCES if re.search(rf"Insufficient {re.escape(g)}", message)]
+            if gpus:
+                problems.append(
+                    Problem(
+                        name,
+                        "InsufficientGPU",
+                        _short(f"no node has a free {', '.join(gpus)}: {message}"),
+                    )
+                )
+            else:
+                problems.append(Problem(name, "Unschedulable", _short(message)))
+    return problems
+
+
+def diagnose(pods: Iterable[Mapping[str, Any]]) -> list[Problem]:
+    problems = [p for pod in pods for p in diagnose_pod(pod)]
+    rank = {reason: i for i, reason in enumerate(SEVERITY)}
+    return sorted(problems, key=lambda p: (rank.get(p.reason, len(rank)), p.pod))
+
+
+def summarize(problems: list[Problem], limit: int = 3) -> tuple[str, str]:
+    """(reason, message) for a condition: the worst problem's reason, up to `limit` lines."""
+    if not problems:
+        return "", ""
+    lines = [p.describe() for p in problems[:limit]]
+    if len(problems) > limit:
+        lines.append(f"and {len(problems) - limit} more")
+    return problems[0].reason, "; ".join(lines)
+
+
+def pod_ready(pod: Mapping[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or []
+    )
+
+
+def condition(
+    type_: str, status: bool | str, reason: str, message: str = "", generation: int = 0
+) -> dict[str, Any]:
+    if isinstance(status, bool):
+        status = "True" if status else "False"
+    return {
+        "type": type_,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "observedGeneration": generation,
+    }
+
+
+def merge(
+    current: Sequence[Mapping[str, Any]] | None,
+    updates: Iterable[Mapping[str, Any]],
+    timestamp: str | None = None,
+) -> list[dict[str, Any]]:
+    """The condition list after `updates`: lastTransitionTime changes only when a
+    condition's status does; conditions not updated are kept as they are."""
+    stamp = timestamp or now()
+    by_type: dict[str, dict[str, Any]] = {c["type"]: dict(c) for c in current or []}
+    for update in updates:
+        new = dict(update)
+        old = by_type.get(new["type"])
+        if old is not None and old.get("status") == new["status"] and old.get("lastTransitionTime"):
+            new["lastTransitionTime"] = old["lastTransitionTime"]
+        else:
+            new["lastTransitionTime"] = stamp
+        by_type[new["type"]] = new
+    return list(by_type.values())
+
+
+def find(conditions: Iterable[Mapping[str, Any]] | None, type_: str) -> Mapping[str, Any] | None:
+    for cond in conditions or []:
+        if cond.get("type") == type_:
+            return cond
+    return None
+
+
+def is_true(conditions: Iterable[Mapping[str, Any]] | None, type_: str) -> bool:
+    cond = find(conditions, type_)
+    return cond is not None and cond.get("status") == "True"
+
+
+def transitions(
+    before: Iterable[Mapping[str, Any]] | None, after: Iterable[Mapping[str, Any]]
+) -> list[Mapping[str, Any]]:
+    """Conditions whose status or reason changed (each becomes an Event)."""
+    old = {c["type"]: (c.get("status"), c.get("reason")) for c in before or []}
+    return [c for c in after if old.get(c["type"]) != (c.get("status"), c.get("reason"))]

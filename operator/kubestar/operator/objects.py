@@ -1,0 +1,129 @@
+"""Names, labels, owner references and hashes shared by the builders (all pure)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from kubestar.api.v1alpha1 import API_VERSION
+
+Obj = dict[str, Any]
+
+MANAGED_BY = "kubestar-operator"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_OWNER_KIND = "kubestar.dev/owner-kind"
+ANNOTATION_HASH = "kubestar.dev/spec-hash"
+
+# Base names are short enough that every child name, a StatefulSet's pod names and the
+# controller-revision-hash label built from them stay within 63 characters.
+MAX_BASE = 36
+
+
+def _digest(text: str, size: int = 8) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:size]
+
+
+def base_name(name: str) -> str:
+    """The parent's name, shortened (with a hash, so still unique) when too long."""
+    if len(name) <= MAX_BASE:
+        return name
+    return f"{name[: MAX_BASE - 9].rstrip('-.')}-{_digest(name)}"
+
+
+def label_value(name: str) -> str:
+    """A label value (at most 63 characters) that identifies the parent."""
+    if len(name) <= 63:
+        return name
+    return f"{name[:54].rstrip('-.')}-{_digest(name)}"
+
+
+def child_name(parent: str, suffix: str) -> str:
+    return f"{base_name(parent)}-{suffix}"
+
+
+def selector_labels(owner_kind: str, owner: str, component: str) -> dict[str, str]:
+    return {
+        LABEL_NAME: "kubestar",
+        LABEL_INSTANCE: label_value(owner),
+        LABEL_COMPONENT: component,
+        LABEL_OWNER_KIND: owner_kind,
+    }
+
+
+def labels(owner_kind: str, owner: str, component: str) -> dict[str, str]:
+    return {**selector_labels(owner_kind, owner, component), LABEL_MANAGED_BY: MANAGED_BY}
+
+
+def owner_reference(parent: Mapping[str, Any]) -> Obj:
+    meta = parent["metadata"]
+    return {
+        "apiVersion": parent.get("apiVersion", API_VERSION),
+        "kind": parent["kind"],
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def metadata(parent: Mapping[str, Any], name: str, component: str, **extra_labels: str) -> Obj:
+    """Metadata of a child: same namespace, kubestar labels, the parent as controller."""
+    meta = parent["metadata"]
+    return {
+        "name": name,
+        "namespace": meta.get("namespace", "default"),
+        "labels": {**labels(parent["kind"], meta["name"], component), **extra_labels},
+        "ownerReferences": [owner_reference(parent)],
+    }
+
+
+def spec_hash(obj: Mapping[str, Any]) -> str:
+    """A hash of what the operator wants a child to be (its annotation excluded)."""
+    clean = json.loads(json.dumps(obj, sort_keys=True, default=str))
+    meta = clean.get("metadata", {})
+    annotations = meta.get("annotations")
+    if annotations is not None:
+        annotations.pop(ANNOTATION_HASH, None)
+        if not annotations:
+            del meta["annotations"]
+    return _digest(json.dumps(clean, sort_keys=True), 16)
+
+
+def with_hash(obj: Obj) -> Obj:
+    """The object with its spec hash annotation set (what the applier compares)."""
+    digest = spec_hash(obj)
+    obj.setdefault("metadata", {}).setdefault("annotations", {})[ANNOTATION_HASH] = digest
+    return obj
+
+
+def quantity(value: str | int | float) -> str:
+    """Quantities as strings: server-side apply requires them typed so."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def resources(requests: Mapping[str, Any], limits: Mapping[str, Any]) -> Obj:
+    out: Obj = {}
+    if requests:
+        out["requests"] = {k: quantity(v) for k, v in requests.items()}
+    if limits:
+        out["limits"] = {k: quantity(v) for k, v in limits.items()}
+    return out
+
+
+def restricted_container_security(read_only_root: bool = True) -> Obj:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": read_only_root,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def env_list(values: Mapping[str, str]) -> list[Obj]:
+    return [{"name": k, "value": v} for k, v in values.items()]

@@ -1,0 +1,381 @@
+"""The machinery every resource shares: applying children (server-side apply, only when
+their hash changed), status patches (only when something changed), Events, and a work queue
+that coalesces triggers per resource, bounds concurrency and retries with backoff.
+
+Reconcile is level-triggered and idempotent: it reads the parent and its children and
+converges. A child is applied only when its `kubestar.dev/spec-hash` differs from what the
+builders produce, so an operator restart (or a periodic resync) writes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from kubestar.operator import conditions as cond
+from kubestar.operator import kube as k
+from kubestar.operator import metrics
+from kubestar.operator import objects as o
+from kubestar.operator.settings import OperatorSettings
+
+log = logging.getLogger("kubestar.operator")
+
+FIELD_MANAGER = "kubestar-operator"
+Key = tuple[str, str, str]  # kind, namespace, name
+
+
+class ChildConflict(Exception):
+    """A child's name is taken by an object this resource does not own."""
+
+
+@dataclass
+class Applied:
+    obj: o.Obj
+    action: str  # created, updated, unchanged, conflict, kept
+    message: str = ""
+
+
+# Scheduler probe: endpoint -> {engine name: (capacity tokens, kv usage)}, or None.
+Probe = Callable[[str], Awaitable[dict[str, tuple[int, float]] | None]]
+
+
+async def no_probe(endpoint: str) -> dict[str, tuple[int, float]] | None:
+    return None
+
+
+@dataclass
+class Context:
+    kube: k.Kube
+    settings: OperatorSettings
+    probe: Probe = no_probe
+    # (kind, namespace, name) -> hash last applied (skips a GET when unchanged).
+    applied: dict[tuple[str, str, str], str] = field(default_factory=dict)
+    # The resourceVersion of each resource after our own last status patch: the watch event
+    # that reports it needs no reconcile (it shows what this reconcile just computed).
+    written: dict[tuple[str, str, str], str] = field(default_factory=dict)
+    # Children known to exist (created or seen by this process): updated, never POSTed.
+    exists: set[tuple[str, str, str]] = field(default_factory=set)
+    # (namespace, name) -> the TrainingRun phase last seen (an Event per transition).
+    phases: dict[tuple[str, str], str] = field(default_factory=dict)
+    # (apiVersion, kind) -> (when asked, served): discovery answers kept for a while.
+    discovery: dict[tuple[str, str], tuple[float, bool]] = field(default_factory=dict)
+    discovery_seconds: float = 10.0
+
+    async def served(self, api_version: str, kind: str) -> bool:
+        """Whether the API server serves a kind (KubeRay's RayJob), asked at most every
+        `discovery_seconds`."""
+        now = time.monotonic()
+        known = self.discovery.get((api_version, kind))
+        if known and now - known[0] < self.discovery_seconds:
+            return known[1]
+        answer = await self.kube.served(api_version, kind)
+        self.discovery[(api_version, kind)] = (now, answer)
+        return answer
+
+    def forget_child(self, kind: str, namespace: str, name: str) -> None:
+        self.applied.pop((kind, namespace, name), None)
+        self.exists.discard((kind, namespace, name))
+
+    async def apply(
+        self, owner: Mapping[str, Any], desired: o.Obj, *, immutable: bool = False
+    ) -> Applied:
+        """Create or update one child. `immutable`: never update (a Job's pod template)."""
+        meta = desired["metadata"]
+        key = (desired["kind"], meta["namespace"], meta["name"])
+        want = meta["annotations"][o.ANNOTATION_HASH]
+        if self.applied.get(key) == want:
+            metrics.CHILD_APPLIES.labels(desired["kind"], "unchanged").inc()
+            return Applied(desired, "unchanged")
+        url = k.path_of(desired)
+        if key not in self.exists and not owner.get("status"):
+            # A resource never reconciled yet has no children: apply without reading first
+            # (one round trip). Not forced, so an object someone else owns conflicts (409)
+            # and falls through to the checks below.
+            try:
+                created = await self.kube.request(
+                    "PATCH",
+                    url,
+                    desired,
+                    params={"fieldManager": FIELD_MANAGER},
+                    content_type="application/apply-patch+yaml",
+                )
+            except k.ApiError as error:
+                if error.status != 409:
+                    raise
+            else:
+                self.applied[key] = want
+                self.exists.add(key)
+                metrics.CHILD_APPLIES.labels(desired["kind"], "created").inc()
+                return Applied(created, "created")
+        live = await self.kube.get(url)
+        if live is not None:
+            self.exists.add(key)
+            owners = live["metadata"].get("ownerReferences") or []
+            uid = owner["metadata"]["uid"]
+            if not any(ref.get("uid") == uid for ref in owners):
+                metrics.CHILD_APPLIES.labels(desired["kind"], "conflict").inc()
+                raise ChildConflict(
+                    f"{desired['kind']} {meta['name']} exists and is not owned by "
+                    f"{owner['kind']} {owner['metadata']['name']}"
+                )
+            have = (live["metadata"].get("annotations") or {}).get(o.ANNOTATION_HASH)
+            if have == want or immutable:
+                self.applied[key] = want if have == want else self.applied.get(key, "")
+                action = "unchanged" if have == want else "kept"
+                metrics.CHILD_APPLIES.labels(desired["kind"], action).inc()
+                return Applied(live, action)
+        result = await self.kube.request(
+            "PATCH",
+            url,
+            desired,
+            params={"fieldManager": FIELD_MANAGER, "force": "true"},
+            content_type="application/apply-patch+yaml",
+        )
+        action = "created" if live is None else "updated"
+        self.applied[key] = want
+        self.exists.add(key)
+        metrics.CHILD_APPLIES.labels(desired["kind"], action).inc()
+        return Applied(result, action)
+
+    async def apply_all(
+        self, owner: Mapping[str, Any], desired: Iterable[o.Obj]
+    ) -> dict[str, Applied]:
+        """Apply children concurrently; returns them by "Kind/name"."""
+        items = list(desired)
+        results = await asyncio.gather(*(self.apply(owner, item) for item in items))
+        return {
+            f"{i['kind']}/{i['metadata']['name']}": r for i, r in zip(items, results, strict=True)
+        }
+
+    async def live(self, desired: Mapping[str, Any]) -> o.Obj | None:
+        """The child as it is now (its status), or None."""
+        return await self.kube.get(k.path_of(desired))
+
+    async def set_conditions(
+        self,
+        owner: Mapping[str, Any],
+        updates: list[dict[str, Any]],
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Patch conditions (and `extra` status fields); an Event per transition."""
+        before = (owner.get("status") or {}).get("conditions")
+        status = {**(extra or {}), "conditions": cond.merge(before, updates)}
+        if await self.patch_status(owner, status):
+            await self.condition_events(owner, before, status["conditions"])
+
+    async def pods(self, owner: Mapping[str, Any]) -> list[o.Obj]:
+        meta = owner["metadata"]
+        selector = (
+            f"{o.LABEL_INSTANCE}={o.label_value(meta['name'])},{o.LABEL_OWNER_KIND}={owner['kind']}"
+        )
+        return await self.kube.list(k.path("v1", "Pod", meta["namespace"]), selector)
+
+    async def patch_status(self, owner: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
+        """Merge-patch the fields in `status` that differ from the live status."""
+        live = owner.get("status") or {}
+        changed = {key: value for key, value in status.items() if live.get(key) != value}
+        if not changed:
+            return False
+        result = await self.kube.merge_patch(k.path_of(owner, "status"), {"status": changed})
+        metrics.STATUS_PATCHES.labels(owner["kind"]).inc()
+        meta = owner["metadata"]
+        self.written[(owner["kind"], meta["namespace"], meta["name"])] = result.get(
+            "metadata", {}
+        ).get("resourceVersion", "")
+        return True
+
+    async def event(
+        self, owner: Mapping[str, Any], reason: str, message: str, type_: str = "Normal"
+    ) -> None:
+        """Post a Kubernetes Event about `owner` (best effort)."""
+        meta = owner["metadata"]
+        stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {
+                "name": f"{meta['name']}.{time.time_ns():x}",
+                "namespace": meta["namespace"],
+            },
+            "involvedObject": {
+                "apiVersion": owner["apiVersion"],
+                "kind": owner["kind"],
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta["uid"],
+                "resourceVersion": meta.get("resourceVersion", ""),
+            },
+            "reason": reason,
+            "message": message[:1024],
+            "type": type_,
+            "source": {"component": FIELD_MANAGER},
+            "firstTimestamp": stamp,
+            "lastTimestamp": stamp,
+            "count": 1,
+            "reportingComponent": FIELD_MANAGER,
+        }
+        try:
+            await self.kube.create(body)
+            metrics.EVENTS.labels(owner["kind"], type_).inc()
+        except (k.ApiError, OSError) as error:
+            log.warning("event not posted: %s", error)
+
+    async def condition_events(
+        self,
+        owner: Mapping[str, Any],
+        before: list[Mapping[str, Any]] | None,
+        after: list[dict[str, Any]],
+    ) -> None:
+        for item in cond.transitions(before, after):
+            warning = item["status"] == "False" and item["reason"] not in cond.QUIET_REASONS
+            message = f"{item['type']}={item['status']}"
+            if item.get("message"):
+                message += f": {item['message']}"
+            await self.event(owner, item["reason"], message, "Warning" if warning else "Normal")
+
+
+Reconcile = Callable[[Context, o.Obj], Awaitable[None]]
+
+
+@dataclass
+class _State:
+    dirty: bool = False
+    running: bool = False
+    failures: int = 0
+    retry: asyncio.TimerHandle | None = None
+    scheduled: asyncio.TimerHandle | None = None
+
+
+class WorkQueue:
+    """Per-resource coalescing: a trigger while a reconcile runs makes it run once more."""
+
+    def __init__(
+        self,
+        context: Context,
+        reconcilers: Mapping[str, Reconcile],
+        api_versions: Mapping[str, str],
+        concurrency: int = 16,
+    ) -> None:
+        self.context = context
+        self.reconcilers = reconcilers
+        self.api_versions = api_versions
+        self.known: set[Key] = set()
+        self._states: dict[Key, _State] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._limit = asyncio.Semaphore(concurrency)
+        self.errors = 0
+        self.completed = 0
+
+    def enqueue(self, key: Key, delay: float = 0.0) -> None:
+        """Reconcile `key` now, or after `delay` seconds: triggers that come in bursts (a
+        child's status changing several times) are coalesced into one reconcile."""
+        state = self._states.setdefault(key, _State())
+        state.dirty = True
+        if state.running or state.scheduled is not None:
+            return
+        if delay > 0:
+            state.scheduled = asyncio.get_running_loop().call_later(delay, self._start, key)
+            return
+        self._start(key)
+
+    def _start(self, key: Key) -> None:
+        state = self._states.setdefault(key, _State())
+        state.scheduled = None
+        if state.running:
+            return
+        state.running = True
+        metrics.QUEUE_DEPTH.inc()
+        task = asyncio.create_task(self._drain(key, state))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def forget(self, key: Key) -> None:
+        self.known.discard(key)
+        state = self._states.get(key)
+        if state and state.retry:
+            state.retry.cancel()
+        if state and state.scheduled:
+            state.scheduled.cancel()
+            state.scheduled = None
+        if state and not state.running:
+            self._states.pop(key, None)
+
+    async def _drain(self, key: Key, state: _State) -> None:
+        try:
+            while state.dirty:
+                state.dirty = False
+                async with self._limit:
+                    ok = await self._run(key)
+                if ok:
+                    state.failures = 0
+                else:
+                    state.failures += 1
+                    delay = min(60.0, 0.5 * 2 ** (state.failures - 1))
+                    if state.retry:
+                        state.retry.cancel()
+                    state.retry = asyncio.get_running_loop().call_later(delay, self.enqueue, key)
+        finally:
+            state.running = False
+            metrics.QUEUE_DEPTH.dec()
+
+    async def _run(self, key: Key) -> bool:
+        kind, namespace, name = key
+        started = time.perf_counter()
+        metrics.IN_FLIGHT.inc()
+        try:
+            body = await self.context.kube.get(
+                k.path(self.api_versions[kind], kind, namespace, name)
+            )
+            if body is None:  # deleted: owner references clean up after it
+                self.forget(key)
+                return True
+            body.setdefault("kind", kind)
+            body.setdefault("apiVersion", self.api_versions[kind])
+            await self.reconcilers[kind](self.context, body)
+            metrics.RECONCILES.labels(kind, "ok").inc()
+            self.completed += 1
+            return True
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # retried with backoff
+            self.errors += 1
+            metrics.RECONCILES.labels(kind, "error").inc()
+            log.warning(
+                "reconcile failed, will retry",
+                exc_info=not isinstance(error, k.ApiError | ChildConflict),
+                extra={
+                    "fields": {
+                        "kind": kind,
+                        "namespace": namespace,
+                        "name": name,
+                        "error": str(error),
+                    }
+                },
+            )
+            return False
+        finally:
+            metrics.IN_FLIGHT.dec()
+            metrics.RECONCILE_SECONDS.labels(kind).observe(time.perf_counter() - started)
+
+    def idle(self) -> bool:
+        return not any(s.running or s.scheduled for s in self._states.values())
+
+    async def resync_forever(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            for key in list(self.known):
+                self.enqueue(key)
+
+    async def close(self) -> None:
+        for state in self._states.values():
+            for timer in (state.retry, state.scheduled):
+                if timer:
+                    timer.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,144 @@
+"""RolloutFleet: reconciles the vLLM engines and the KV-aware scheduler in front of them, and
+reports ready engines, each engine's KV capacity (asked of the scheduler, which reads vLLM's
+`vllm:cache_config_info`), the scheduler's endpoint, and a Ready condition that names what is
+wrong (no free GPUs, image pulls, crash loops, OOM kills)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kubestar.api.v1alpha1 import RolloutFleetSpec
+from kubestar.operator import build_fleet
+from kubestar.operator import conditions as cond
+from kubestar.operator import kube as k
+from kubestar.operator import objects as o
+from kubestar.operator.reconciler import ChildConflict, Context
+from kubestar.operator.sandboxpool import ready_replicas, validation_message
+from kubestar.operator.settings import OperatorSettings
+from pydantic import ValidationError
+
+KIND = "RolloutFleet"
+log = logging.getLogger(__name__)
+
+Capacities = Mapping[str, tuple[int, float]]
+
+
+def fleet_spec(fleet: Mapping[str, Any], settings: OperatorSettings) -> RolloutFleetSpec:
+    """The fleet's spec, with the cluster's accelerator when it names none."""
+    raw = dict(fleet.get("spec") or {})
+    if not raw.get("accelerator"):
+        raw["accelerator"] = settings.default_accelerator
+    return RolloutFleetSpec.model_validate(raw)
+
+
+def engine_statuses(
+    pods: Sequence[Mapping[str, Any]], capacities: Capacities | None
+) -> list[dict[str, Any]]:
+    engines = []
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        labels = pod["metadata"].get("labels") or {}
+        if labels.get(o.LABEL_COMPONENT) != build_fleet.ENGINE:
+            continue
+        name = pod["metadata"]["name"]
+        entry: dict[str, Any] = {"name": name, "ready": cond.pod_ready(pod)}
+        if capacities and name in capacities:
+            entry["kvCapacityTokens"], entry["kvUsage"] = capacities[name]
+        engines.append(entry)
+    return engines
+
+
+def fleet_status(
+    fleet: Mapping[str, Any],
+    spec: RolloutFleetSpec,
+    engines: Mapping[str, Any] | None,
+    scheduler: Mapping[str, Any] | None,
+    pods: Sequence[Mapping[str, Any]],
+    capacities: Capacities | None,
+    settings: OperatorSettings,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(status fields, Ready condition) the operator writes (pure)."""
+    meta = fleet["metadata"]
+    generation = meta.get("generation", 0)
+    ready_engines = ready_replicas(engines)
+    scheduler_ready = ready_replicas(scheduler) >= 1
+    per_engine = engine_statuses(pods, capacities)
+    known = [e["kvCapacityTokens"] for e in per_engine if e.get("kvCapacityTokens") is not None]
+    reason, message = cond.summarize(cond.diagnose(pods))
+    if spec.replicas == 0:
+        ready = cond.condition("Ready", False, "NoReplicas", "spec.replicas is 0", generation)
+    elif ready_engines >= spec.replicas and scheduler_ready:
+        ready = cond.condition(
+            "Ready",
+            True,
+            "Ready",
+            f"{ready_engines} {spec.accelerator} engine(s) behind the {spec.scheduler.policy} "
+            "scheduler",
+            generation,
+        )
+    elif reason:
+        ready = cond.condition("Ready", False, reason, message, generation)
+    else:
+        ready = cond.condition(
+            "Ready",
+            False,
+            "Progressing",
+            f"{ready_engines}/{spec.replicas} engines ready, scheduler "
+            f"{'ready' if scheduler_ready else 'not ready'}",
+            generation,
+        )
+    status = {
+        "observedGeneration": generation,
+        "accelerator": spec.accelerator,
+        "replicas": spec.replicas,
+        "readyReplicas": ready_engines,
+        "schedulerEndpoint": build_fleet.scheduler_endpoint(
+            meta["name"], meta["namespace"], spec, settings
+        ),
+        "engines": per_engine,
+        "kvCapacityTokens": sum(known) if known else None,
+    }
+    return status, ready
+
+
+async def reconcile(ctx: Context, fleet: dict[str, Any]) -> None:
+    meta = fleet["metadata"]
+    generation = meta.get("generation", 0)
+    try:
+        spec = fleet_spec(fleet, ctx.settings)
+    except ValidationError as error:
+        invalid = cond.condition(
+            "Ready", False, "InvalidSpec", validation_message(error), generation
+        )
+        await ctx.set_conditions(fleet, [invalid], {"observedGeneration": generation})
+        return
+    try:
+        await ctx.apply_all(fleet, build_fleet.children(fleet, spec, ctx.settings))
+    except ChildConflict as error:
+        await ctx.set_conditions(
+            fleet, [cond.condition("Ready", False, "ChildConflict", str(error), generation)]
+        )
+        return
+    except k.ApiError as error:  # reported, then retried with backoff
+        await ctx.set_conditions(
+            fleet, [cond.condition("Ready", False, "ApplyFailed", error.message[:500], generation)]
+        )
+        raise
+    engines, scheduler, pods = await asyncio.gather(
+        ctx.live(build_fleet.engine_deployment(fleet, spec, ctx.settings)),
+        ctx.live(build_fleet.scheduler_deployment(fleet, spec, ctx.settings)),
+        ctx.pods(fleet),
+    )
+    capacities = None
+    if ctx.settings.probe_schedulers and ready_replicas(scheduler) >= 1:
+        endpoint = build_fleet.scheduler_endpoint(
+            meta["name"], meta["namespace"], spec, ctx.settings
+        )
+        try:
+            capacities = await ctx.probe(endpoint)
+        except Exception as error:  # the scheduler may be starting: report without capacity
+            log.info("scheduler %s not answering: %s", endpoint, error)
+    status, ready = fleet_status(fleet, spec, engines, scheduler, pods, capacities, ctx.settings)
+    await ctx.set_conditions(fleet, [ready], status)

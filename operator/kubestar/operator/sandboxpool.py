@@ -1,0 +1,107 @@
+"""SandboxPool: reconciles the pool's workers, dispatcher and Services, and reports
+readyReplicas, capacity (ready workers x executors per pod), the dispatcher's endpoint and a
+Ready condition that names what is wrong with any pod (image pulls, crash loops, OOM kills,
+scheduling)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kubestar.api.v1alpha1 import SandboxPoolSpec
+from kubestar.operator import build_sandbox
+from kubestar.operator import conditions as cond
+from kubestar.operator import kube as k
+from kubestar.operator.reconciler import ChildConflict, Context
+from kubestar.operator.settings import OperatorSettings
+from pydantic import ValidationError
+
+KIND = "SandboxPool"
+
+
+def validation_message(error: ValidationError) -> str:
+    return "; ".join(
+        f"spec.{'.'.join(str(p) for p in item['loc'])}: {item['msg']}" for item in error.errors()
+    )
+
+
+def ready_replicas(obj: Mapping[str, Any] | None) -> int:
+    return int(((obj or {}).get("status") or {}).get("readyReplicas") or 0)
+
+
+def pool_status(
+    pool: Mapping[str, Any],
+    spec: SandboxPoolSpec,
+    workers: Mapping[str, Any] | None,
+    dispatcher: Mapping[str, Any] | None,
+    pods: Sequence[Mapping[str, Any]],
+    settings: OperatorSettings,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(status fields, Ready condition) the operator writes (pure)."""
+    meta = pool["metadata"]
+    generation = meta.get("generation", 0)
+    ready_workers = ready_replicas(workers)
+    ready_dispatchers = ready_replicas(dispatcher)
+    reason, message = cond.summarize(cond.diagnose(pods))
+    if spec.replicas == 0:
+        ready = cond.condition("Ready", False, "NoReplicas", "spec.replicas is 0", generation)
+    elif ready_workers >= spec.replicas and ready_dispatchers >= 1:
+        ready = cond.condition(
+            "Ready",
+            True,
+            "Ready",
+            f"{ready_workers} worker(s) with {spec.executors_per_pod} executors each",
+            generation,
+        )
+    elif reason:
+        ready = cond.condition("Ready", False, reason, message, generation)
+    else:
+        ready = cond.condition(
+            "Ready",
+            False,
+            "Progressing",
+            f"{ready_workers}/{spec.replicas} workers ready, dispatcher "
+            f"{'ready' if ready_dispatchers else 'not ready'}",
+            generation,
+        )
+    status = {
+        "observedGeneration": generation,
+        "replicas": spec.replicas,
+        "readyReplicas": ready_workers,
+        "capacity": ready_workers * spec.executors_per_pod if ready_dispatchers else 0,
+        "endpoint": build_sandbox.endpoint(meta["name"], meta["namespace"], spec, settings),
+    }
+    return status, ready
+
+
+async def reconcile(ctx: Context, pool: dict[str, Any]) -> None:
+    generation = pool["metadata"].get("generation", 0)
+    try:
+        spec = SandboxPoolSpec.model_validate(pool.get("spec") or {})
+    except ValidationError as error:
+        invalid = cond.condition(
+            "Ready", False, "InvalidSpec", validation_message(error), generation
+        )
+        await ctx.set_conditions(pool, [invalid], {"observedGeneration": generation})
+        return
+    desired = build_sandbox.children(pool, spec, ctx.settings)
+    try:
+        await ctx.apply_all(pool, desired)
+    except ChildConflict as error:
+        await ctx.set_conditions(
+            pool, [cond.condition("Ready", False, "ChildConflict", str(error), generation)]
+        )
+        return
+    except k.ApiError as error:  # reported, then retried with backoff
+        await ctx.set_conditions(
+            pool, [cond.condition("Ready", False, "ApplyFailed", error.message[:500], generation)]
+        )
+        raise
+    workers, dispatcher, pods = await asyncio.gather(
+        ctx.live(build_sandbox.worker_statefulset(pool, spec, ctx.settings)),
+        ctx.live(build_sandbox.dispatcher_deployment(pool, spec, ctx.settings)),
+        ctx.pods(pool),
+    )
+    status, ready = pool_status(pool, spec, workers, dispatcher, pods, ctx.settings)
+    await ctx.set_conditions(pool, [ready], status)

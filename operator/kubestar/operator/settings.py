@@ -1,0 +1,82 @@
+"""Operator settings: images, networking, defaults. The chart renders them to a YAML file
+(`kubestar operator run --config FILE`); every field has a default that works on a cluster
+with pod networking and the published images."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+
+class _Settings(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class Images(_Settings):
+    # kubestar itself: operator, sandbox, scheduler, trainer (and Ray for several workers).
+    kubestar: str = "kubestar:0.1.0"
+    # Rollout engines by accelerator: vLLM's CPU build in kubestar's engine image, vLLM's own
+    # ROCm and CUDA images on GPU nodes.
+    engine_cpu: str = "kubestar-engine-cpu:0.1.0"
+    engine_rocm: str = "rocm/vllm:latest"
+    engine_cuda: str = "vllm/vllm-openai:latest"
+    pull_policy: str = "IfNotPresent"
+
+
+class Network(_Settings):
+    # Pods on the node's network: for clusters without pod networking (a single-node test
+    # cluster). Then every in-cluster address is 127.0.0.1 and ports must not collide.
+    host_network: bool = False
+    cluster_domain: str = "cluster.local"
+    # Set where pods cannot reach the API server through the kubernetes Service (no
+    # kube-proxy): given to the scheduler and trainer pods as KUBERNETES_SERVICE_HOST/PORT.
+    api_server_host: str = ""
+    api_server_port: int = 443
+
+
+class Ports(_Settings):
+    sandbox_dispatcher_metrics: int = 9090
+    sandbox_worker_metrics: int = 9091
+    scheduler_metrics: int = 9092
+
+
+class SandboxDefaults(_Settings):
+    run_as_user: int = 65532
+    # Used when a pool sets no runtimeClassName (e.g. gvisor); empty: the cluster default.
+    runtime_class_name: str = ""
+    seccomp_runtime_default: bool = True
+
+
+class TrainerDefaults(_Settings):
+    # Retries of the trainer pod before the Job (and so the run) fails. With a checkpoint
+    # PVC a retry resumes; with the default emptyDir it would start over.
+    backoff_limit: int = Field(0, ge=0)
+    run_as_user: int = 1000
+    checkpoint_dir: str = "/var/lib/kubestar/checkpoints"
+
+
+class OperatorSettings(_Settings):
+    # A RolloutFleet that does not say spec.accelerator gets this one.
+    default_accelerator: Literal["amd", "nvidia", "cpu"] = "cpu"
+    images: Images = Field(default_factory=Images)
+    network: Network = Field(default_factory=Network)
+    ports: Ports = Field(default_factory=Ports)
+    sandbox: SandboxDefaults = Field(default_factory=SandboxDefaults)
+    trainer: TrainerDefaults = Field(default_factory=TrainerDefaults)
+    # Namespaces to watch; empty: all (cluster-wide).
+    namespaces: list[str] = Field(default_factory=list)
+    # Every resource is reconciled at least this often (children are also watched).
+    resync_seconds: float = Field(30.0, gt=0)
+    # Ask each fleet's scheduler for its engines' KV capacity (GetSchedulerStatus).
+    probe_schedulers: bool = True
+
+    @classmethod
+    def load(cls, path: str | Path | None) -> OperatorSettings:
+        if not path:
+            return cls()
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        return cls.model_validate(data)

@@ -1,0 +1,417 @@
+"""TrainingRun: waits for its RolloutFleet and SandboxPool to be Ready, then starts the
+trainer (a Job with one pod and local Ray; with several workers a KubeRay RayJob when KubeRay
+serves `rayjobs.ray.io`, and a condition naming what is missing when it does not). The
+trainer patches stage, step, metrics, checkpoint and time left into the status (see
+kubestar.operator.contract); the operator owns the conditions and the phases Pending and
+Provisioning, fails the run when the trainer workload fails, and refuses (with a condition)
+spec changes once the trainer runs: the trainer read its spec when it started.
+
+    Pending -> Provisioning -> (SFT) -> Training -> Succeeded | Failed
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+from kubestar.api.v1alpha1 import (
+    GROUP,
+    VERSION,
+    SandboxPoolSpec,
+    TrainingRunSpec,
+)
+from kubestar.operator import build_trainer, metrics, rolloutfleet
+from kubestar.operator import conditions as cond
+from kubestar.operator import kube as k
+from kubestar.operator.reconciler import ChildConflict, Context
+from kubestar.operator.sandboxpool import validation_message
+from pydantic import ValidationError
+
+KIND = "TrainingRun"
+TERMINAL = ("Succeeded", "Failed")
+TRAINER_PHASES = ("SFT", "Training")
+RAY_VERSIONS = ("v1", "v1alpha1")
+
+
+def diff_paths(old: Any, new: Any, prefix: str = "spec") -> list[str]:
+    """Paths where two JSON values differ (lists compared element by element)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for key in sorted(set(old) | set(new)):
+            out += diff_paths(old.get(key), new.get(key), f"{prefix}.{key}")
+        return out
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        out = []
+        for i, (a, b) in enumerate(zip(old, new, strict=True)):
+            out += diff_paths(a, b, f"{prefix}[{i}]")
+        return out
+    return [] if old == new else [prefix]
+
+
+def accepted_spec(config_map: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The spec the trainer was started with (run.yaml in the run's ConfigMap)."""
+    if not config_map:
+        return None
+    text = (config_map.get("data") or {}).get("run.yaml")
+    if not text:
+        return None
+    document = yaml.safe_load(text) or {}
+    spec: dict[str, Any] | None = document.get("spec")
+    return spec
+
+
+def _ready(obj: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    return cond.find((obj or {}).get("status", {}).get("conditions"), "Ready")
+
+
+def dependencies(
+    spec: TrainingRunSpec,
+    namespace: str,
+    fleet: Mapping[str, Any] | None,
+    pool: Mapping[str, Any] | None,
+    generation: int,
+) -> tuple[dict[str, Any], bool]:
+    """(DependenciesReady condition, whether both exist)."""
+    missing = []
+    if fleet is None:
+        missing.append(("RolloutFleetNotFound", f"RolloutFleet {spec.rollout_fleet_ref.name}"))
+    if pool is None:
+        missing.append(("SandboxPoolNotFound", f"SandboxPool {spec.sandbox_pool_ref.name}"))
+    if missing:
+        message = " and ".join(what for _, what in missing) + f" not found in {namespace}"
+        return cond.condition("DependenciesReady", False, missing[0][0], message, generation), False
+    waiting = []
+    for kind, obj in (("RolloutFleet", fleet), ("SandboxPool", pool)):
+        ready = _ready(obj)
+        if ready is None or ready.get("status") != "True":
+            detail = f"{ready['reason']}: {ready.get('message', '')}" if ready else "no status yet"
+            waiting.append(
+                (
+                    kind,
+                    f"{kind} {obj['metadata']['name'] if obj else '?'} is not "
+                    f"ready ({detail.rstrip(': ')})",
+                )
+            )
+    if waiting:
+        return (
+            cond.condition(
+                "DependenciesReady",
+                False,
+                f"{waiting[0][0]}NotReady",
+                "; ".join(message for _, message in waiting),
+                generation,
+            ),
+            True,
+        )
+    message = (
+        f"RolloutFleet {spec.rollout_fleet_ref.name} and SandboxPool "
+        f"{spec.sandbox_pool_ref.name} are ready"
+    )
+    return cond.condition("DependenciesReady", True, "Ready", message, generation), True
+
+
+@dataclass
+class Outcome:
+    """What the trainer workload says: running, succeeded, failed (with why)."""
+
+    state: str  # absent, starting, running, succeeded, failed
+    reason: str = ""
+    message: str = ""
+
+
+def job_outcome(job: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]]) -> Outcome:
+    if job is None:
+        return Outcome("absent")
+    status = job.get("status") or {}
+    problems = cond.diagnose(pods)
+    reason, message = cond.summarize(problems)
+    for item in status.get("conditions") or []:
+        if item.get("status") != "True":
+            continue
+        if item.get("type") == "Complete":
+            return Outcome("succeeded", "Succeeded", "the trainer Job completed")
+        if item.get("type") == "Failed":
+            job_reason = item.get("reason") or "JobFailed"
+            detail = message or item.get("message", "")
+            return Outcome(
+                "failed",
+                reason or job_reason,
+                f"trainer Job failed ({job_reason}): {detail}".rstrip(": "),
+            )
+    if status.get("succeeded"):
+        return Outcome("succeeded", "Succeeded", "the trainer Job completed")
+    if reason:
+        return Outcome("starting", reason, message)
+    if any(cond.pod_ready(pod) for pod in pods):
+        return Outcome("running", "Running", "the trainer pod is running")
+    return Outcome("starting", "Starting", "the trainer pod is starting")
+
+
+def ray_outcome(ray_job: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]]) -> Outcome:
+    if ray_job is None:
+        return Outcome("absent")
+    status = ray_job.get("status") or {}
+    job_status = status.get("jobStatus", "")
+    deployment = status.get("jobDeploymentStatus", "")
+    reason, message = cond.summarize(cond.diagnose(pods))
+    if job_status == "SUCCEEDED":
+        return Outcome("succeeded", "Succeeded", "the RayJob succeeded")
+    if job_status in ("FAILED", "STOPPED") or deployment == "Failed":
+        detail = status.get("message", "") or message
+        return Outcome(
+            "failed",
+            reason or "RayJobFailed",
+            f"RayJob {job_status or deployment}: {detail}".rstrip(": "),
+        )
+    if reason:
+        return Outcome("starting", reason, message)
+    if job_status == "RUNNING":
+        return Outcome("running", "Running", "the RayJob is running")
+    return Outcome("starting", "Starting", f"RayJob {deployment or 'starting'}")
+
+
+@dataclass
+class Decision:
+    phase: str
+    conditions: list[dict[str, Any]] = field(default_factory=list)
+    start: bool = False
+
+
+def decide(
+    phase_now: str,
+    generation: int,
+    spec_problem: tuple[str, str] | None,
+    deps: dict[str, Any] | None,
+    deps_exist: bool,
+    outcome: Outcome,
+    blocked: tuple[str, str] | None = None,
+) -> Decision:
+    """The phase, conditions and whether to start the trainer (pure).
+
+    spec_problem: (reason, message) for an invalid spec or a refused change.
+    blocked: (reason, message) when the workload cannot be created (KubeRay missing).
+    """
+    conditions: list[dict[str, Any]] = []
+    if spec_problem:
+        conditions.append(cond.condition("SpecAccepted", False, *spec_problem, generation))
+    else:
+        conditions.append(cond.condition("SpecAccepted", True, "Accepted", "", generation))
+    if deps is not None:
+        conditions.append(deps)
+    deps_ready = deps is not None and deps["status"] == "True"
+    invalid = (
+        spec_problem is not None
+        and spec_problem[0] == "InvalidSpec"
+        and (outcome.state == "absent")
+    )
+
+    if phase_now in TERMINAL:
+        phase = phase_now
+    elif outcome.state == "succeeded":
+        phase = "Succeeded"
+    elif outcome.state == "failed":
+        phase = "Failed"
+    elif phase_now in TRAINER_PHASES and outcome.state != "absent":
+        phase = phase_now
+    elif outcome.state != "absent":
+        phase = "Provisioning"
+    elif invalid or not deps_exist or blocked:
+        phase = "Pending"
+    else:
+        phase = "Provisioning"
+
+    start = (
+        outcome.state == "absent"
+        and phase not in TERMINAL
+        and deps_ready
+        and not invalid
+        and blocked is None
+    )
+    if outcome.state == "absent":
+        if phase in TERMINAL:
+            trainer = cond.condition(
+                "TrainerReady", False, "Finished", "the run is over", generation
+            )
+        elif blocked:
+            trainer = cond.condition("TrainerReady", False, *blocked, generation)
+        elif start:
+            trainer = cond.condition(
+                "TrainerReady", False, "Creating", "creating the trainer", generation
+            )
+        else:
+            trainer = cond.condition(
+                "TrainerReady",
+                False,
+                "WaitingForDependencies",
+                "the trainer starts when the fleet and pool are ready",
+                generation,
+            )
+    else:
+        trainer = cond.condition(
+            "TrainerReady", outcome.state == "running", outcome.reason, outcome.message, generation
+        )
+    conditions.append(trainer)
+    return Decision(phase, conditions, start)
+
+
+def step_summary(status: Mapping[str, Any]) -> str:
+    total = status.get("totalSteps") or 0
+    return f"{status.get('step') or 0}/{total}" if total else ""
+
+
+async def ray_version(ctx: Context) -> str | None:
+    """The ray.io version that serves RayJob, or None (KubeRay not installed)."""
+    for version in RAY_VERSIONS:
+        if await ctx.served(f"{build_trainer.RAY_GROUP}/{version}", "RayJob"):
+            return version
+    return None
+
+
+async def reconcile(ctx: Context, run: dict[str, Any]) -> None:
+    meta = run["metadata"]
+    name, namespace = meta["name"], meta["namespace"]
+    generation = meta.get("generation", 0)
+    status_now = run.get("status") or {}
+    phase_now = status_now.get("phase") or "Pending"
+    settings = ctx.settings
+
+    spec_problem: tuple[str, str] | None = None
+    spec: TrainingRunSpec | None = None
+    try:
+        spec = TrainingRunSpec.model_validate(run.get("spec") or {})
+    except ValidationError as error:
+        spec_problem = ("InvalidSpec", validation_message(error))
+
+    # Once the trainer runs, its spec is the one in run.yaml; changes are refused.
+    trainer = build_trainer.trainer_name(name)
+    config, job = await asyncio.gather(
+        ctx.kube.get(k.path("v1", "ConfigMap", namespace, build_trainer.config_name(name))),
+        ctx.kube.get(k.path("batch/v1", "Job", namespace, trainer)),
+    )
+    accepted = accepted_spec(config)
+    ray_job = None
+    version = None
+    workers = (
+        spec.trainer.workers
+        if spec
+        else int(((accepted or {}).get("trainer") or {}).get("workers", 1))
+    )
+    if workers > 1:
+        version = await ray_version(ctx)
+        if version:
+            ray_job = await ctx.kube.get(
+                k.path(f"{build_trainer.RAY_GROUP}/{version}", "RayJob", namespace, trainer)
+            )
+    started = job is not None or ray_job is not None
+
+    if spec is None or spec_problem is not None:
+        if not (started and accepted is not None):
+            decision = decide(phase_now, generation, spec_problem, None, False, Outcome("absent"))
+            await _write(ctx, run, decision, {})
+            return
+        assert spec_problem is not None
+        spec_problem = (
+            spec_problem[0],
+            spec_problem[1] + " (the trainer keeps the spec it started with)",
+        )
+        spec = TrainingRunSpec.model_validate(accepted)
+    elif started and accepted is not None:
+        current = spec.model_dump(mode="json", by_alias=True)
+        if accepted != current:
+            changed = diff_paths(accepted, current)
+            spec_problem = (
+                "SpecChangeRefused",
+                f"the trainer is running with the spec it started with; cannot change "
+                f"{', '.join(changed[:8])}{' ...' if len(changed) > 8 else ''} "
+                "(revert the change, or create a new TrainingRun)",
+            )
+            spec = TrainingRunSpec.model_validate(accepted)
+
+    try:
+        await ctx.apply_all(run, [build_trainer.config_map(run, spec), *build_trainer.rbac(run)])
+    except ChildConflict as error:
+        spec_problem = ("ChildConflict", str(error))
+
+    fleet, pool = await asyncio.gather(
+        ctx.kube.get(
+            k.path(f"{GROUP}/{VERSION}", "RolloutFleet", namespace, spec.rollout_fleet_ref.name)
+        ),
+        ctx.kube.get(
+            k.path(f"{GROUP}/{VERSION}", "SandboxPool", namespace, spec.sandbox_pool_ref.name)
+        ),
+    )
+    deps, deps_exist = dependencies(spec, namespace, fleet, pool, generation)
+
+    blocked = None
+    if spec.trainer.workers > 1 and version is None and not started:
+        blocked = (
+            "KubeRayNotInstalled",
+            f"spec.trainer.workers is {spec.trainer.workers}: several trainer workers run as a "
+            "KubeRay RayJob, but this cluster does not serve rayjobs.ray.io; install the "
+            "KubeRay operator, or set spec.trainer.workers to 1",
+        )
+    pods = await ctx.pods(run) if started else []
+    outcome = ray_outcome(ray_job, pods) if ray_job is not None else job_outcome(job, pods)
+    decision = decide(phase_now, generation, spec_problem, deps, deps_exist, outcome, blocked)
+
+    extra: dict[str, Any] = {}
+    if decision.start and fleet is not None and pool is not None:
+        fleet_spec = rolloutfleet.fleet_spec(fleet, settings)
+        pool_spec = SandboxPoolSpec.model_validate(pool.get("spec") or {})
+        if spec.trainer.workers > 1 and version:
+            workload = build_trainer.ray_job(run, spec, fleet_spec, pool_spec, settings, version)
+        else:
+            workload = build_trainer.job(run, spec, fleet_spec, pool_spec, settings)
+        try:
+            applied = await ctx.apply(run, workload, immutable=True)
+        except (k.ApiError, ChildConflict) as error:
+            reason = "ChildConflict" if isinstance(error, ChildConflict) else "ApplyFailed"
+            message = str(error) if isinstance(error, ChildConflict) else error.message
+            decision.conditions[-1] = cond.condition(
+                "TrainerReady", False, reason, message[:500], generation
+            )
+            await _write(ctx, run, decision, extra)
+            if isinstance(error, ChildConflict):
+                return
+            raise
+        decision.phase = "Provisioning"
+        extra["trainer"] = f"{workload['kind']}/{workload['metadata']['name']}"
+        if applied.action == "created":
+            await ctx.event(
+                run, "TrainerCreated", f"created {workload['kind']} {workload['metadata']['name']}"
+            )
+    elif job is not None:
+        extra["trainer"] = f"Job/{trainer}"
+    elif ray_job is not None:
+        extra["trainer"] = f"RayJob/{trainer}"
+    await _write(ctx, run, decision, extra)
+
+
+async def _write(
+    ctx: Context, run: dict[str, Any], decision: Decision, extra: dict[str, Any]
+) -> None:
+    meta = run["metadata"]
+    status_now = run.get("status") or {}
+    before = status_now.get("phase")
+    status = {
+        "phase": decision.phase,
+        "observedGeneration": meta.get("generation", 0),
+        "stepSummary": step_summary(status_now),
+        **extra,
+    }
+    await ctx.set_conditions(run, decision.conditions, status)
+    key = (meta["namespace"], meta["name"])
+    seen = ctx.phases.get(key, before)
+    if decision.phase != seen:
+        metrics.TRANSITIONS.labels(decision.phase).inc()
+        warning = decision.phase == "Failed"
+        await ctx.event(
+            run,
+            decision.phase,
+            f"phase {seen or 'none'} -> {decision.phase}",
+            "Warning" if warning else "Normal",
+        )
+    ctx.phases[key] = decision.phase

@@ -1,0 +1,286 @@
+"""The builders of child objects are pure: checked here without a cluster."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import yaml
+from kubestar.api.v1alpha1 import (
+    RolloutFleetSpec,
+    SandboxPoolSpec,
+    TrainingRunSpec,
+    load_manifests,
+)
+from kubestar.operator import build_fleet, build_sandbox, build_trainer, contract
+from kubestar.operator import objects as o
+from kubestar.operator.settings import OperatorSettings
+
+from tests.operator.support import EXAMPLES, parent
+
+
+def containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = obj["spec"]["template"]["spec"]
+    return list(spec["containers"])
+
+
+def test_every_child_is_owned_labelled_and_hashed() -> None:
+    settings = OperatorSettings()
+    pool = parent("SandboxPool", "pool")
+    fleet = parent("RolloutFleet", "fleet")
+    run = parent("TrainingRun", "run")
+    run_spec = TrainingRunSpec.model_validate(
+        {
+            "rolloutFleetRef": {"name": "fleet"},
+            "sandboxPoolRef": {"name": "pool"},
+            "stages": [
+                {
+                    "name": "s",
+                    "maxResponseTokens": 64,
+                    "steps": 1,
+                    "dataset": {"generator": "basic_arithmetic"},
+                }
+            ],
+        }
+    )
+    children = [
+        *build_sandbox.children(pool, SandboxPoolSpec(), settings),
+        *build_fleet.children(fleet, RolloutFleetSpec(), settings),
+        build_trainer.config_map(run, run_spec),
+        *build_trainer.rbac(run),
+        build_trainer.job(run, run_spec, RolloutFleetSpec(), SandboxPoolSpec(), settings),
+    ]
+    for child in children:
+        meta = child["metadata"]
+        (ref,) = meta["ownerReferences"]
+        assert ref["controller"] is True and ref["blockOwnerDeletion"] is True
+        assert ref["uid"].startswith("uid-")
+        assert meta["labels"][o.LABEL_MANAGED_BY] == o.MANAGED_BY
+        assert meta["annotations"][o.ANNOTATION_HASH] == o.spec_hash(child)
+        assert len(meta["name"]) <= 63
+    # Deterministic: building twice gives the same objects.
+    again = build_sandbox.children(pool, SandboxPoolSpec(), settings)
+    assert json.dumps(again, sort_keys=True) == json.dumps(children[:4], sort_keys=True)
+
+
+def test_sandbox_pods_are_locked_down() -> None:
+    pool = parent("SandboxPool", "pool")
+    spec = SandboxPoolSpec(replicas=3, executors_per_pod=8, runtime_class_name="gvisor")
+    workers = build_sandbox.worker_statefulset(pool, spec, OperatorSettings())
+    pod = workers["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["runtimeClassName"] == "gvisor"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    (worker,) = pod["containers"]
+    assert worker["securityContext"]["readOnlyRootFilesystem"] is True
+    assert worker["securityContext"]["allowPrivilegeEscalation"] is False
+    assert worker["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert worker["command"][:3] == ["kubestar", "sandbox", "serve"]
+    assert worker["command"][worker["command"].index("--executors") + 1] == "8"
+    assert "hostNetwork" not in pod
+    assert workers["spec"]["replicas"] == 3
+
+    dispatcher = build_sandbox.dispatcher_deployment(pool, spec, OperatorSettings())
+    command = containers(dispatcher)[0]["command"]
+    targets = [command[i + 1] for i, arg in enumerate(command) if arg == "--worker"]
+    assert targets == [
+        f"pool-sandbox-worker-{i}.pool-sandbox-worker.team.svc.cluster.local:50052"
+        for i in range(3)
+    ]
+    assert dispatcher["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    assert build_sandbox.endpoint("pool", "team", spec, OperatorSettings()) == (
+        "pool-sandbox.team.svc.cluster.local:50051"
+    )
+
+
+def test_host_network_is_a_setting() -> None:
+    settings = OperatorSettings.model_validate({"network": {"hostNetwork": True}})
+    pool = parent("SandboxPool", "pool")
+    spec = SandboxPoolSpec()
+    pod = build_sandbox.worker_statefulset(pool, spec, settings)["spec"]["template"]["spec"]
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert build_sandbox.endpoint("pool", "team", spec, settings) == "127.0.0.1:50051"
+    fleet = build_fleet.engine_deployment(parent("RolloutFleet", "f"), RolloutFleetSpec(), settings)
+    assert fleet["spec"]["template"]["spec"]["hostNetwork"] is True
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "resource", "image"),
+    [
+        ("amd", "amd.com/gpu", "rocm/vllm"),
+        ("nvidia", "nvidia.com/gpu", "vllm/vllm-openai"),
+        ("cpu", None, "kubestar-engine-cpu"),
+    ],
+)
+def test_engines_by_accelerator(accelerator: str, resource: str | None, image: str) -> None:
+    spec = RolloutFleetSpec.model_validate(
+        {
+            "accelerator": accelerator,
+            "replicas": 2,
+            "engine": {"tensorParallelSize": 2 if resource else 1, "maxModelLen": 8192},
+        }
+    )
+    deployment = build_fleet.engine_deployment(
+        parent("RolloutFleet", "f"), spec, OperatorSettings()
+    )
+    (engine,) = containers(deployment)
+    assert engine["image"].startswith(image)
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    command = engine["command"]
+    assert command[command.index("--max-model-len") + 1] == "8192"
+    env = {e["name"]: e["value"] for e in engine["env"]}
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+    if resource:
+        assert engine["resources"]["limits"] == {resource: "2"}
+        assert command[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+        assert command[command.index("--tensor-parallel-size") + 1] == "2"
+        tolerations = deployment["spec"]["template"]["spec"]["tolerations"]
+        assert tolerations[0]["key"] == resource
+    else:
+        assert "resources" not in engine or not engine["resources"].get("limits")
+        assert command[:3] == ["kubestar", "engine", "serve"]
+        assert "--device" in command and command[command.index("--device") + 1] == "cpu"
+
+
+def test_model_from_a_pvc() -> None:
+    spec = RolloutFleetSpec.model_validate(
+        {
+            "accelerator": "amd",
+            "model": {"name": "Qwen3-14B", "pvcClaimName": "models", "pvcSubPath": "Qwen3-14B"},
+        }
+    )
+    deployment = build_fleet.engine_deployment(
+        parent("RolloutFleet", "f"), spec, OperatorSettings()
+    )
+    (engine,) = containers(deployment)
+    assert engine["command"][engine["command"].index("--model") + 1] == "/models/Qwen3-14B"
+    volumes = deployment["spec"]["template"]["spec"]["volumes"]
+    assert {
+        "name": "model",
+        "persistentVolumeClaim": {"claimName": "models", "readOnly": True},
+    } in (volumes)
+
+
+def test_scheduler_is_wired_to_the_engines() -> None:
+    fleet = parent("RolloutFleet", "f")
+    spec = RolloutFleetSpec.model_validate(
+        {"scheduler": {"policy": "least-requests"}, "engine": {"port": 8100}}
+    )
+    scheduler = build_fleet.scheduler_deployment(fleet, spec, OperatorSettings())
+    command = containers(scheduler)[0]["command"]
+    selector = command[command.index("--k8s-selector") + 1]
+    engine_labels = build_fleet.engine_deployment(fleet, spec, OperatorSettings())["spec"][
+        "template"
+    ]["metadata"]["labels"]
+    for item in selector.split(","):
+        key, value = item.split("=")
+        assert engine_labels[key] == value
+    assert command[command.index("--k8s-port") + 1] == "8100"
+    assert command[command.index("--policy") + 1] == "least-requests"
+    assert scheduler["spec"]["template"]["spec"]["serviceAccountName"] == "f-scheduler"
+    role = build_fleet.scheduler_role(fleet)
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+
+
+def tiny_run() -> tuple[dict[str, Any], TrainingRunSpec, RolloutFleetSpec, SandboxPoolSpec]:
+    resources = {type(r).__name__: r for r in load_manifests(EXAMPLES / "tiny-cpu.yaml")}
+    run = resources["TrainingRun"]
+    body = parent("TrainingRun", run.metadata.name)
+    spec = TrainingRunSpec.model_validate(run.model_dump(by_alias=True)["spec"])
+    fleet = RolloutFleetSpec.model_validate(
+        resources["RolloutFleet"].model_dump(by_alias=True)["spec"]
+    )
+    pool = SandboxPoolSpec.model_validate(
+        resources["SandboxPool"].model_dump(by_alias=True)["spec"]
+    )
+    return body, spec, fleet, pool
+
+
+def test_trainer_job_follows_the_contract() -> None:
+    body, spec, fleet, pool = tiny_run()
+    job = build_trainer.job(body, spec, fleet, pool, OperatorSettings())
+    assert job["spec"]["backoffLimit"] == 0
+    pod = job["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    assert pod["serviceAccountName"] == "tiny-cpu-trainer"
+    (trainer,) = pod["containers"]
+    assert trainer["command"] == [
+        "kubestar",
+        "train",
+        "-f",
+        "/etc/kubestar/run.yaml",
+        "--in-cluster",
+    ]
+    env = {e["name"]: e["value"] for e in trainer["env"]}
+    parsed = contract.TrainerEnvironment.from_env(env)
+    assert parsed.name == "tiny-cpu" and parsed.namespace == "team"
+    assert parsed.scheduler_endpoint == "tiny-fleet-scheduler.team.svc.cluster.local:50061"
+    assert parsed.sandbox_endpoint == "tiny-sandbox-sandbox.team.svc.cluster.local:50051"
+    assert parsed.sandbox_limits == {"timeoutSeconds": 5.0, "memoryMib": 512, "outputBytes": 65536}
+    assert parsed.checkpoint_dir == "/var/lib/kubestar/checkpoints"
+    assert parsed.ray_address == ""
+    mounts = {m["name"]: m["mountPath"] for m in trainer["volumeMounts"]}
+    assert mounts["config"] == "/etc/kubestar"
+
+    config = build_trainer.config_map(body, spec)
+    document = yaml.safe_load(config["data"]["run.yaml"])
+    assert document["kind"] == "TrainingRun" and document["metadata"]["name"] == "tiny-cpu"
+    assert TrainingRunSpec.model_validate(document["spec"]) == spec
+
+
+def test_trainer_role_is_limited_to_its_own_run() -> None:
+    body, _, _, _ = tiny_run()
+    role = build_trainer.role(body)
+    for rule in role["rules"]:
+        assert rule["resourceNames"] == ["tiny-cpu"]
+        assert rule["apiGroups"] == ["kubestar.dev"]
+    verbs = {rule["resources"][0]: rule["verbs"] for rule in role["rules"]}
+    assert verbs == {"trainingruns": ["get"], "trainingruns/status": ["get", "patch"]}
+    binding = build_trainer.role_binding(body)
+    assert binding["subjects"][0]["name"] == "tiny-cpu-trainer"
+
+
+def test_several_workers_make_a_ray_job() -> None:
+    body, spec, fleet, pool = tiny_run()
+    spec = spec.model_copy(update={"trainer": spec.trainer.model_copy(update={"workers": 4})})
+    ray_job = build_trainer.ray_job(body, spec, fleet, pool, OperatorSettings())
+    assert ray_job["apiVersion"] == "ray.io/v1" and ray_job["kind"] == "RayJob"
+    cluster = ray_job["spec"]["rayClusterSpec"]
+    assert cluster["workerGroupSpecs"][0]["replicas"] == 3
+    head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in head["env"]}
+    assert env[contract.ENV_RAY_ADDRESS] == "auto"
+    assert ray_job["spec"]["entrypoint"].startswith("kubestar train -f")
+
+
+def test_long_names_are_shortened_uniquely() -> None:
+    long_a = "a" * 60 + "-one"
+    long_b = "a" * 60 + "-two"
+    assert o.base_name(long_a) != o.base_name(long_b)
+    assert len(build_sandbox.worker_name(long_a)) <= 52
+    assert len(o.label_value("x" * 200)) <= 63
+    assert o.base_name("short") == "short"
+
+
+def test_trainer_patch_carries_only_trainer_fields() -> None:
+    from kubestar.api.v1alpha1 import TrainingMetrics, TrainingRunStatus
+
+    status = TrainingRunStatus(
+        phase="Training",
+        stage="s1",
+        step=3,
+        total_steps=10,
+        metrics=TrainingMetrics(reward=0.5),
+        conditions=[],
+    )
+    body = contract.trainer_patch(status)["status"]
+    assert body["phase"] == "Training" and body["step"] == 3 and body["totalSteps"] == 10
+    assert body["metrics"]["reward"] == 0.5
+    assert "conditions" not in body and "observedGeneration" not in body
+    pending = contract.trainer_patch(TrainingRunStatus(phase="Pending"))["status"]
+    assert "phase" not in pending

@@ -1,0 +1,235 @@
+"""Pod diagnosis, conditions and the TrainingRun's phase decisions (pure)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kubestar.api.v1alpha1 import RolloutFleetSpec, SandboxPoolSpec, TrainingRunSpec
+from kubestar.operator import conditions as cond
+from kubestar.operator import trainingrun as tr
+from kubestar.operator.rolloutfleet import fleet_status
+from kubestar.operator.sandboxpool import pool_status
+from kubestar.operator.settings import OperatorSettings
+
+from tests.operator.support import parent
+
+
+def pod(name: str, **status: Any) -> dict[str, Any]:
+    return {"metadata": {"name": name, "labels": {}}, "status": status}
+
+
+def waiting(reason: str, message: str = "") -> dict[str, Any]:
+    return {
+        "name": "main",
+        "state": {"waiting": {"reason": reason, "message": message}},
+        "restartCount": 3,
+    }
+
+
+def test_image_pull_backoff_is_named() -> None:
+    problems = cond.diagnose(
+        [
+            pod(
+                "p",
+                containerStatuses=[waiting("ImagePullBackOff", 'Back-off pulling image "nope:1"')],
+            )
+        ]
+    )
+    assert [p.reason for p in problems] == ["ImagePullBackOff"]
+    reason, message = cond.summarize(problems)
+    assert reason == "ImagePullBackOff"
+    assert message == 'pod p: ImagePullBackOff: container main: Back-off pulling image "nope:1"'
+
+
+def test_crash_loop_reports_the_last_exit() -> None:
+    status = waiting("CrashLoopBackOff", "back-off 40s restarting failed container")
+    status["lastState"] = {"terminated": {"exitCode": 2, "reason": "Error"}}
+    (problem,) = cond.diagnose([pod("p", containerStatuses=[status])])
+    assert problem.reason == "CrashLoopBackOff"
+    assert "last exit code 2" in problem.message
+
+
+def test_oom_killed_wins_over_crash_loop() -> None:
+    status = waiting("CrashLoopBackOff")
+    status["lastState"] = {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}
+    other = pod("q", containerStatuses=[waiting("CrashLoopBackOff")])
+    problems = cond.diagnose([other, pod("p", containerStatuses=[status])])
+    assert problems[0].reason == "OOMKilled" and problems[0].pod == "p"
+
+
+def test_pending_for_lack_of_gpus() -> None:
+    unschedulable = {
+        "type": "PodScheduled",
+        "status": "False",
+        "reason": "Unschedulable",
+        "message": "0/3 nodes are available: 3 Insufficient amd.com/gpu.",
+    }
+    (problem,) = cond.diagnose([pod("engine-0", conditions=[unschedulable])])
+    assert problem.reason == "InsufficientGPU"
+    assert "amd.com/gpu" in problem.message
+    cpu_only = dict(unschedulable, message="0/1 nodes are available: 1 Insufficient cpu.")
+    (problem,) = cond.diagnose([pod("x", conditions=[cpu_only])])
+    assert problem.reason == "Unschedulable"
+
+
+def test_healthy_pods_have_no_problems() -> None:
+    running = {"name": "main", "state": {"running": {}}, "ready": True}
+    ready = {"type": "Ready", "status": "True"}
+    assert cond.diagnose([pod("p", containerStatuses=[running], conditions=[ready])]) == []
+
+
+def test_transition_time_kept_when_status_unchanged() -> None:
+    first = cond.merge([], [cond.condition("Ready", False, "Progressing")], "t1")
+    same = cond.merge(first, [cond.condition("Ready", False, "ImagePullBackOff", "x")], "t2")
+    assert same[0]["lastTransitionTime"] == "t1" and same[0]["reason"] == "ImagePullBackOff"
+    flipped = cond.merge(same, [cond.condition("Ready", True, "Ready")], "t3")
+    assert flipped[0]["lastTransitionTime"] == "t3"
+    assert cond.transitions(same, flipped) == flipped
+
+
+def test_pool_status_counts_capacity_and_surfaces_problems() -> None:
+    body = parent("SandboxPool", "pool")
+    spec = SandboxPoolSpec(replicas=2, executors_per_pod=4)
+    workers = {"status": {"readyReplicas": 2}}
+    dispatcher = {"status": {"readyReplicas": 1}}
+    status, ready = pool_status(body, spec, workers, dispatcher, [], OperatorSettings())
+    assert status["capacity"] == 8 and ready["status"] == "True"
+    bad = pod("pool-sandbox-worker-1", containerStatuses=[waiting("ImagePullBackOff")])
+    status, ready = pool_status(
+        body, spec, {"status": {"readyReplicas": 1}}, dispatcher, [bad], OperatorSettings()
+    )
+    assert ready["status"] == "False" and ready["reason"] == "ImagePullBackOff"
+    assert status["readyReplicas"] == 1 and status["capacity"] == 4
+
+
+def test_fleet_status_reports_engines_and_kv_capacity() -> None:
+    body = parent("RolloutFleet", "f")
+    spec = RolloutFleetSpec(replicas=2)
+    ready_cond = {"type": "Ready", "status": "True"}
+    engines = [
+        {
+            "metadata": {
+                "name": f"f-engine-{i}",
+                "labels": {"app.kubernetes.io/component": "engine"},
+            },
+            "status": {"conditions": [ready_cond]},
+        }
+        for i in range(2)
+    ]
+    status, ready = fleet_status(
+        body,
+        spec,
+        {"status": {"readyReplicas": 2}},
+        {"status": {"readyReplicas": 1}},
+        engines,
+        {"f-engine-0": (4096, 0.25), "f-engine-1": (8192, 0.0)},
+        OperatorSettings(),
+    )
+    assert ready["status"] == "True"
+    assert status["kvCapacityTokens"] == 12288
+    assert status["engines"][0] == {
+        "name": "f-engine-0",
+        "ready": True,
+        "kvCapacityTokens": 4096,
+        "kvUsage": 0.25,
+    }
+
+
+SPEC = TrainingRunSpec.model_validate(
+    {
+        "rolloutFleetRef": {"name": "f"},
+        "sandboxPoolRef": {"name": "p"},
+        "stages": [
+            {
+                "name": "s",
+                "maxResponseTokens": 64,
+                "steps": 1,
+                "dataset": {"generator": "basic_arithmetic"},
+            }
+        ],
+    }
+)
+
+
+def ready_obj(kind: str, name: str, ok: bool, reason: str = "Ready") -> dict[str, Any]:
+    body = parent(kind, name)
+    body["status"] = {"conditions": [cond.condition("Ready", ok, reason, "why")]}
+    return body
+
+
+def test_dependencies() -> None:
+    deps, exist = tr.dependencies(SPEC, "team", None, ready_obj("SandboxPool", "p", True), 1)
+    assert not exist and deps["reason"] == "RolloutFleetNotFound"
+    deps, exist = tr.dependencies(
+        SPEC,
+        "team",
+        ready_obj("RolloutFleet", "f", False, "InsufficientGPU"),
+        ready_obj("SandboxPool", "p", True),
+        1,
+    )
+    assert exist and deps["reason"] == "RolloutFleetNotReady"
+    assert "InsufficientGPU" in deps["message"]
+    deps, _ = tr.dependencies(
+        SPEC, "team", ready_obj("RolloutFleet", "f", True), ready_obj("SandboxPool", "p", True), 1
+    )
+    assert deps["status"] == "True"
+
+
+def test_phase_decisions() -> None:
+    ok = cond.condition("DependenciesReady", True, "Ready")
+    waiting_deps = cond.condition("DependenciesReady", False, "RolloutFleetNotReady")
+    absent = tr.Outcome("absent")
+    assert tr.decide("Pending", 1, None, waiting_deps, False, absent).phase == "Pending"
+    decision = tr.decide("Pending", 1, None, waiting_deps, True, absent)
+    assert decision.phase == "Provisioning" and not decision.start
+    decision = tr.decide("Provisioning", 1, None, ok, True, absent)
+    assert decision.start and decision.phase == "Provisioning"
+    # The trainer's own phases are kept while its workload runs.
+    running = tr.Outcome("running", "Running")
+    assert tr.decide("Training", 1, None, ok, True, running).phase == "Training"
+    failed = tr.Outcome("failed", "OOMKilled", "trainer Job failed")
+    decision = tr.decide("Training", 1, None, ok, True, failed)
+    assert decision.phase == "Failed"
+    trainer = next(c for c in decision.conditions if c["type"] == "TrainerReady")
+    assert trainer["reason"] == "OOMKilled"
+    # Terminal phases stick; nothing is started again.
+    decision = tr.decide("Succeeded", 1, None, ok, True, absent)
+    assert decision.phase == "Succeeded" and not decision.start
+    blocked = ("KubeRayNotInstalled", "install KubeRay")
+    decision = tr.decide("Pending", 1, None, ok, True, absent, blocked)
+    assert decision.phase == "Pending" and not decision.start
+    refused = ("SpecChangeRefused", "cannot change spec.algorithm.groupSize")
+    decision = tr.decide("Training", 2, refused, ok, True, running)
+    assert decision.phase == "Training"
+    assert decision.conditions[0]["reason"] == "SpecChangeRefused"
+
+
+def test_job_outcomes() -> None:
+    assert tr.job_outcome(None, []).state == "absent"
+    assert tr.job_outcome({"status": {"active": 1}}, []).state == "starting"
+    complete = {"status": {"conditions": [{"type": "Complete", "status": "True"}]}}
+    assert tr.job_outcome(complete, []).state == "succeeded"
+    failed = {
+        "status": {
+            "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]
+        }
+    }
+    oom = pod(
+        "t",
+        containerStatuses=[
+            {"name": "trainer", "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}
+        ],
+    )
+    outcome = tr.job_outcome(failed, [oom])
+    assert outcome.state == "failed" and outcome.reason == "OOMKilled"
+    assert "BackoffLimitExceeded" in outcome.message
+
+
+def test_spec_diff_paths() -> None:
+    old = SPEC.model_dump(mode="json", by_alias=True)
+    new = SPEC.model_copy(
+        update={"algorithm": SPEC.algorithm.model_copy(update={"group_size": 8})}
+    ).model_dump(mode="json", by_alias=True)
+    assert tr.diff_paths(old, new) == ["spec.algorithm.groupSize"]
+    assert tr.step_summary({"step": 3, "totalSteps": 10}) == "3/10"
+    assert tr.step_summary({}) == ""

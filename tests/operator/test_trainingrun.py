@@ -1,0 +1,262 @@
+"""A TrainingRun end to end against a real API server: it waits for its fleet and pool,
+starts the trainer Job with a service account that may patch only its own status, takes the
+trainer's progress, fails with the reason when the trainer's pod is OOM-killed, refuses spec
+changes it cannot apply, and says so when several workers need KubeRay."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from kubestar.api.v1alpha1 import TrainingMetrics, TrainingRunStatus
+from kubestar.operator.contract import StatusPatcher
+
+from tests.operator.cluster import (
+    FakeKubelet,
+    LocalCluster,
+    OperatorProcess,
+    apis,
+    core,
+    kubestar,
+    wait_for,
+)
+from tests.operator.test_reconcile import (
+    COMPONENT,
+    INSTANCE,
+    condition,
+    events,
+    example,
+    owned_by,
+    wait_condition,
+)
+
+
+def phase(cluster: LocalCluster, namespace: str, name: str) -> str:
+    run = cluster.api().get(kubestar(namespace, "trainingruns", name)) or {}
+    return str((run.get("status") or {}).get("phase", ""))
+
+
+def wait_phase(
+    cluster: LocalCluster, namespace: str, name: str, want: str, timeout: float = 20.0
+) -> None:
+    wait_for(f"{name} phase {want}", lambda: phase(cluster, namespace, name) == want, timeout)
+
+
+def ready_dependencies(kubelet: FakeKubelet, namespace: str) -> None:
+    for instance, components in (
+        ("tiny-fleet", ("engine", "scheduler")),
+        ("tiny-sandbox", ("sandbox-worker", "sandbox-dispatcher")),
+    ):
+        for component in components:
+            kubelet.make_ready(namespace, f"{INSTANCE}={instance},{COMPONENT}={component}")
+
+
+def start_run(
+    cluster: LocalCluster, kubelet: FakeKubelet, namespace: str, run: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    api = cluster.api()
+    created = api.create(kubestar(namespace, "trainingruns"), run or example("TrainingRun"))
+    name = created["metadata"]["name"]
+    wait_phase(cluster, namespace, name, "Pending")
+    api.create(kubestar(namespace, "sandboxpools"), example("SandboxPool"))
+    api.create(kubestar(namespace, "rolloutfleets"), example("RolloutFleet"))
+    path = kubestar(namespace, "trainingruns", name)
+    wait_for(
+        "the fleet's own reason in the run's DependenciesReady",
+        lambda: (
+            "RolloutFleet tiny-fleet is not ready (Progressing: 0/1 engines ready"
+            in (condition(api.get(path), "DependenciesReady") or {}).get("message", "")
+        ),
+    )
+    assert phase(cluster, namespace, name) == "Provisioning"
+    assert api.get(apis("batch/v1", namespace, "jobs", f"{name}-trainer")) is None
+    ready_dependencies(kubelet, namespace)
+    wait_condition(cluster, path, "DependenciesReady", "True")
+    return created
+
+
+def test_run_lifecycle_to_success(
+    cluster: LocalCluster, operator: OperatorProcess, kubelet: FakeKubelet, namespace: str
+) -> None:
+    api = cluster.api()
+    run = start_run(cluster, kubelet, namespace)
+    job = wait_for(
+        "the trainer Job", lambda: api.get(apis("batch/v1", namespace, "jobs", "tiny-cpu-trainer"))
+    )
+    assert owned_by(job, run)
+    pod_spec = job["spec"]["template"]["spec"]
+    assert pod_spec["serviceAccountName"] == "tiny-cpu-trainer"
+    env = {e["name"]: e.get("value", "") for e in pod_spec["containers"][0]["env"]}
+    assert env["KUBESTAR_SCHEDULER_ENDPOINT"].startswith("tiny-fleet-scheduler.")
+    assert env["KUBESTAR_SANDBOX_ENDPOINT"].startswith("tiny-sandbox-sandbox.")
+    config = api.get(core(namespace, "configmaps", "tiny-cpu-run"))
+    assert config is not None and "groupSize: 4" in config["data"]["run.yaml"]
+    path = kubestar(namespace, "trainingruns", "tiny-cpu")
+    assert json.loads(json.dumps((api.get(path) or {})["status"]["trainer"])) == (
+        "Job/tiny-cpu-trainer"
+    )
+
+    # The trainer reports with its own service account's token.
+    token = cluster.service_account_token(namespace, "tiny-cpu-trainer")
+    patcher = StatusPatcher(
+        "tiny-cpu", namespace, server=cluster.server, token=token, ca_file=cluster.ca_file
+    )
+    (trainer_pod,) = kubelet.make_ready(namespace, f"{INSTANCE}=tiny-cpu,{COMPONENT}=trainer")
+    wait_condition(cluster, path, "TrainerReady", "True", "Running")
+    patcher.patch({"status": {"phase": "SFT"}})
+    wait_for(
+        "an SFT event",
+        lambda: any(reason == "SFT" for _, reason, _ in events(cluster, namespace, "tiny-cpu")),
+    )
+    patcher.report(
+        TrainingRunStatus(
+            phase="Training",
+            stage="warmup",
+            step=3,
+            total_steps=6,
+            progress=0.5,
+            metrics=TrainingMetrics(reward=0.25, accuracy=0.5),
+            last_checkpoint="step-2",
+            estimated_seconds_left=120.0,
+        )
+    )
+    wait_for("step 3/6", lambda: (api.get(path) or {})["status"].get("stepSummary") == "3/6")
+    row = cluster.kubectl("get", "-n", namespace, "tr", "tiny-cpu").stdout.splitlines()[1]
+    assert row.split()[:6] == ["tiny-cpu", "Training", "warmup", "3/6", "0.25", "0.5"]
+    status = (api.get(path) or {})["status"]
+    assert status["lastCheckpoint"] == "step-2" and status["estimatedSecondsLeft"] == 120
+    # ... and may touch nothing else: not the spec, not another run.
+    other = example("TrainingRun", "other")
+    api.create(kubestar(namespace, "trainingruns"), other)
+    with pytest.raises(Exception, match="403"):
+        StatusPatcher(
+            "other", namespace, server=cluster.server, token=token, ca_file=cluster.ca_file
+        ).patch({"status": {"phase": "Failed"}})
+    from tests.operator.cluster import Api, ApiError
+
+    trainer_api = Api(cluster.server, token, cluster.ca_file)
+    with pytest.raises(ApiError) as denied:
+        trainer_api.merge_patch(path, {"spec": {"trainer": {"workers": 2}}})
+    assert denied.value.status == 403
+
+    kubelet.set_status(trainer_pod, kubelet.terminated(trainer_pod, 0, "Completed"))
+    wait_phase(cluster, namespace, "tiny-cpu", "Succeeded", timeout=30)
+    expected = {"Pending", "Provisioning", "TrainerCreated", "SFT", "Training", "Succeeded"}
+    wait_for(
+        f"events {sorted(expected)}",
+        lambda: expected <= {e[1] for e in events(cluster, namespace, "tiny-cpu")},
+    )
+
+
+def test_trainer_oom_fails_the_run(
+    cluster: LocalCluster, operator: OperatorProcess, kubelet: FakeKubelet, namespace: str
+) -> None:
+    start_run(cluster, kubelet, namespace)
+    (pod,) = wait_for(
+        "the trainer pod",
+        lambda: kubelet.pods(namespace, f"{INSTANCE}=tiny-cpu,{COMPONENT}=trainer"),
+    )
+    kubelet.set_status(pod, kubelet.terminated(pod, 137, "OOMKilled"))
+    wait_phase(cluster, namespace, "tiny-cpu", "Failed", timeout=30)
+    run = cluster.api().get(kubestar(namespace, "trainingruns", "tiny-cpu"))
+    trainer = condition(run, "TrainerReady")
+    assert trainer is not None and trainer["reason"] == "OOMKilled"
+    assert "BackoffLimitExceeded" in trainer["message"]
+    wait_for(
+        "a Warning event Failed",
+        lambda: ("Warning", "Failed") in {e[:2] for e in events(cluster, namespace, "tiny-cpu")},
+    )
+
+
+def test_spec_changes_are_refused_while_running(
+    cluster: LocalCluster, operator: OperatorProcess, kubelet: FakeKubelet, namespace: str
+) -> None:
+    api = cluster.api()
+    start_run(cluster, kubelet, namespace)
+    job_path = apis("batch/v1", namespace, "jobs", "tiny-cpu-trainer")
+    job = wait_for("the trainer Job", lambda: api.get(job_path))
+    path = kubestar(namespace, "trainingruns", "tiny-cpu")
+    api.merge_patch(path, {"spec": {"algorithm": {"groupSize": 8}}})
+    refused = wait_condition(cluster, path, "SpecAccepted", "False", "SpecChangeRefused")
+    assert "spec.algorithm.groupSize" in refused["message"]
+    run = api.get(path) or {}
+    assert refused["observedGeneration"] == run["metadata"]["generation"]
+    config = api.get(core(namespace, "configmaps", "tiny-cpu-run")) or {}
+    assert "groupSize: 4" in config["data"]["run.yaml"]
+    now = api.get(job_path) or {}  # the same Job, its spec untouched
+    assert now["metadata"]["uid"] == job["metadata"]["uid"]
+    assert now["metadata"].get("generation") == job["metadata"].get("generation")
+    assert now["spec"]["template"] == job["spec"]["template"]
+    api.merge_patch(path, {"spec": {"algorithm": {"groupSize": 4}}})
+    wait_condition(cluster, path, "SpecAccepted", "True")
+
+
+def test_several_workers_without_kuberay_say_what_is_missing(
+    cluster: LocalCluster, operator: OperatorProcess, kubelet: FakeKubelet, namespace: str
+) -> None:
+    run = example("TrainingRun", "ray")
+    run["spec"]["trainer"]["workers"] = 3
+    api = cluster.api()
+    api.create(kubestar(namespace, "trainingruns"), run)
+    api.create(kubestar(namespace, "sandboxpools"), example("SandboxPool"))
+    api.create(kubestar(namespace, "rolloutfleets"), example("RolloutFleet"))
+    ready_dependencies(kubelet, namespace)
+    path = kubestar(namespace, "trainingruns", "ray")
+    missing = wait_condition(cluster, path, "TrainerReady", "False", "KubeRayNotInstalled")
+    assert "rayjobs.ray.io" in missing["message"] and "workers is 3" in missing["message"]
+    assert phase(cluster, namespace, "ray") == "Pending"
+    assert api.get(apis("batch/v1", namespace, "jobs", "ray-trainer")) is None
+
+
+RAYJOB_CRD = """
+apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata: {name: rayjobs.ray.io}
+spec:
+  group: ray.io
+  scope: Namespaced
+  names: {kind: RayJob, listKind: RayJobList, plural: rayjobs, singular: rayjob}
+  versions:
+    - name: v1
+      served: true
+      storage: true
+      schema:
+        openAPIV3Schema: {type: object, x-kubernetes-preserve-unknown-fields: true}
+      subresources: {status: {}}
+"""
+
+
+def test_several_workers_with_kuberay_make_a_ray_job(
+    cluster: LocalCluster, operator: OperatorProcess, kubelet: FakeKubelet, namespace: str
+) -> None:
+    """KubeRay's CRD (a stand-in with its name and version) turns up: the run goes on."""
+    run = example("TrainingRun", "ray")
+    run["spec"]["trainer"]["workers"] = 3
+    api = cluster.api()
+    api.create(kubestar(namespace, "trainingruns"), run)
+    api.create(kubestar(namespace, "sandboxpools"), example("SandboxPool"))
+    api.create(kubestar(namespace, "rolloutfleets"), example("RolloutFleet"))
+    ready_dependencies(kubelet, namespace)
+    path = kubestar(namespace, "trainingruns", "ray")
+    wait_condition(cluster, path, "TrainerReady", "False", "KubeRayNotInstalled")
+    cluster.kubectl("apply", "-f", "-", input=RAYJOB_CRD)
+    try:
+        cluster.kubectl("wait", "--for=condition=Established", "crd/rayjobs.ray.io")
+        ray_job = wait_for(
+            "the RayJob",
+            lambda: api.get(apis("ray.io/v1", namespace, "rayjobs", "ray-trainer")),
+            timeout=30,
+        )
+        cluster_spec = ray_job["spec"]["rayClusterSpec"]
+        assert cluster_spec["workerGroupSpecs"][0]["replicas"] == 2
+        assert ray_job["metadata"]["ownerReferences"][0]["name"] == "ray"
+        wait_condition(cluster, path, "TrainerReady", "False", "Starting")
+        assert (api.get(path) or {})["status"]["trainer"] == "RayJob/ray-trainer"
+        api.merge_patch(
+            apis("ray.io/v1", namespace, "rayjobs", "ray-trainer") + "/status",
+            {"status": {"jobStatus": "SUCCEEDED", "jobDeploymentStatus": "Complete"}},
+        )
+        wait_phase(cluster, namespace, "ray", "Succeeded")
+    finally:
+        cluster.kubectl("delete", "crd", "rayjobs.ray.io", "--wait=true", check=False)
