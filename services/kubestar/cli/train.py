@@ -6,9 +6,13 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from kubestar.common import logs
+
+if TYPE_CHECKING:
+    from kubestar.api.v1alpha1 import TrainingRun
 
 
 @click.command("train")
@@ -31,8 +35,17 @@ from kubestar.common import logs
 @click.option(
     "--engine-python", default="", help="Python with vLLM for the engines (default: this one)."
 )
+@click.option(
+    "--in-cluster",
+    is_flag=True,
+    help="Run as the trainer Job of a TrainingRun: services come from the "
+    "KUBESTAR_* environment the operator sets, progress goes to the "
+    "TrainingRun's status (see kubestar.operator.contract).",
+)
 @click.option("--log-level", default="warning", show_default=True)
-def train(manifest: str, run_dir: str, fresh: bool, engine_python: str, log_level: str) -> None:
+def train(
+    manifest: str, run_dir: str, fresh: bool, engine_python: str, in_cluster: bool, log_level: str
+) -> None:
     """Train: SFT, then the RL stages, then evaluation and a report.
 
     Locally this starts the sandbox, the vLLM engines and the rollout scheduler as processes
@@ -71,6 +84,10 @@ def train(manifest: str, run_dir: str, fresh: bool, engine_python: str, log_leve
     fleet = fleets.get(run.spec.rollout_fleet_ref.name) or RolloutFleet(
         metadata={"name": run.spec.rollout_fleet_ref.name}
     )  # type: ignore[arg-type]
+
+    if in_cluster:
+        _train_in_cluster(run, Path(run_dir or "/var/run/kubestar"))
+        return
 
     directory = Path(run_dir or Path("runs") / run.metadata.name)
     if fresh and directory.exists():
@@ -114,3 +131,26 @@ def train(manifest: str, run_dir: str, fresh: bool, engine_python: str, log_leve
     report = write_report(directory)
     logging.getLogger(__name__).info("done")
     click.echo(f"{status.phase}: {status.step}/{status.total_steps} steps; report: {report}")
+
+
+def _train_in_cluster(run: TrainingRun, directory: Path) -> None:
+    """The trainer pod: endpoints and checkpoint place from the operator, status to the API."""
+    from kubestar.engine.models import resolve_model
+    from kubestar.operator.contract import StatusPatcher, TrainerEnvironment
+    from kubestar.training.session import Endpoints, TrainingSession
+
+    env = TrainerEnvironment.from_env()
+    if env.checkpoint_dir:
+        run.spec.checkpoint.path = env.checkpoint_dir
+    if env.ray_address:
+        run.spec.trainer.ray_address = env.ray_address
+    if env.checkpoint_dir:
+        # Weights pushed to the engines must be readable by them: keep the run directory on
+        # the checkpoint volume, which the fleet's engines mount at the same path.
+        directory = Path(env.checkpoint_dir) / "run"
+    directory.mkdir(parents=True, exist_ok=True)
+    model_dir = resolve_model(run.spec.model.path or run.spec.model.name)
+    endpoints = Endpoints(scheduler=env.scheduler_endpoint, sandbox=env.sandbox_endpoint)
+    session = TrainingSession(run, endpoints, directory, model_dir, StatusPatcher.in_cluster(env))
+    status = session.run_all()
+    click.echo(f"{status.phase}: {status.step}/{status.total_steps} steps")
