@@ -1,0 +1,508 @@
+"""Discrete-event simulator of a rollout fleet: N engines, thousands of multi-turn trajectories.
+
+Projects the scheduler comparison of `bench/scheduler_bench.py` (two real engines) to a large
+fleet. The admission decisions are made by the scheduler's own code
+(`kubestar.scheduler.core`: `plan_admissions` with the `POLICIES`, `reserve`, `release`) on
+simulated `EngineState`s, so the policies are exactly the service's.
+
+Model
+-----
+* Engine: KV capacity `kv_tokens` in blocks of `block_size`; continuous batching in vLLM's
+  manner: every step each running sequence decodes one token; a step takes
+  `step_base_s + step_per_seq_s * batch` (+ prefill of newly admitted tokens at
+  `prefill_tokens_per_s`). Waiting sequences are admitted FIFO while their blocks fit.
+  When a step would need more blocks than the cache has, the newest running sequence is
+  preempted (its KV freed; it goes back to the front of the waiting queue and recomputes its
+  prompt plus the tokens generated so far when resumed), as vLLM V1 does.
+  Steps are simulated in chunks of up to `--chunk` steps (no sequence finishes and no block
+  overflows inside a chunk); arrivals join at the next chunk boundary.
+* Prefix cache: a turn that lands on the engine that ran the trajectory's previous turn
+  prefills only the new tokens (previous output + tool output); elsewhere the whole context.
+* Trajectory: prompt, then turns with long-tailed (lognormal) output lengths; between turns a
+  tool call (lognormal pause, mean `--tool-s`) adds tool-output tokens to the context.
+* Scheduler: sees exact KV use (kv_usage set from the engine at every decision; the real one
+  samples /metrics every 100-200 ms) and scans the first `--window` queued turns per
+  decision (the service scans the whole queue).
+
+Calibration: `--calibration bench/scheduler_calibration.json` (written by scheduler_bench.py)
+takes step_base_s, step_per_seq_s, prefill_tokens_per_s and turn_overhead_s from the real
+engines (CPU, tiny model: absolute times are CPU times, the ratios are what carries over).
+Without it, GPU-like defaults are used (documented in `SimConfig`).
+
+    .venv/bin/python bench/rollout_sim.py                        # 64 engines x 4096 trajectories
+    .venv/bin/python bench/rollout_sim.py --calibration bench/scheduler_calibration.json
+    .venv/bin/python bench/rollout_sim.py --engines 2 --trajectories 32 --seed 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import random
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from kubestar.scheduler.core import (
+    KV_AWARE,
+    LEAST_REQUESTS,
+    POLICIES,
+    ROUND_ROBIN,
+    EngineState,
+    TurnRequest,
+    plan_admissions,
+    release,
+)
+
+POLICY_ORDER = (ROUND_ROBIN, LEAST_REQUESTS, KV_AWARE)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    engines: int = 64
+    trajectories: int = 4096
+    seed: int = 0
+    # KV cache per engine (tokens) and block size: e.g. a 7B model on an 80 GB GPU holds
+    # ~100k tokens; smaller here so that capacity binds with a long-tailed mix.
+    kv_tokens: int = 65_536
+    block_size: int = 16
+    max_context: int = 16_384
+    # Step time = base + per_seq * batch (GPU-like defaults: ~25 ms at batch 1, ~60 at 128).
+    step_base_s: float = 0.025
+    step_per_seq_s: float = 0.0003
+    prefill_tokens_per_s: float = 20_000.0
+    turn_overhead_s: float = 0.01
+    # Workload: prompt tokens uniform in [prompt_min, prompt_max]; turns uniform in
+    # [turns_min, turns_max]; output tokens per turn lognormal(median, sigma), capped.
+    prompt_min: int = 200
+    prompt_max: int = 800
+    turns_min: int = 1
+    turns_max: int = 6
+    new_median: int = 300
+    new_sigma: float = 1.1
+    new_max: int = 6_000
+    tool_s: float = 0.3
+    tool_tokens_min: int = 20
+    tool_tokens_max: int = 300
+    chunk: int = 16
+    window: int = 256
+    starvation_s: float = 5.0
+
+    @property
+    def usable_tokens(self) -> int:
+        return (self.kv_tokens // self.block_size - 1) * self.block_size
+
+
+@dataclass(frozen=True)
+class Turn:
+    new_tokens: int
+    tool_s: float
+    tool_tokens: int
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    prompt_tokens: int
+    turns: tuple[Turn, ...]
+
+
+def make_workload(config: SimConfig) -> list[Trajectory]:
+    rng = random.Random(config.seed)
+    sigma_tool = 0.5
+    out = []
+    for _ in range(config.trajectories):
+        prompt = rng.randint(config.prompt_min, config.prompt_max)
+        context = prompt
+        turns: list[Turn] = []
+        for _ in range(rng.randint(config.turns_min, config.turns_max)):
+            new = int(rng.lognormvariate(math.log(config.new_median), config.new_sigma))
+            new = max(1, min(config.new_max, new, config.max_context - context))
+            if new < 1 or context + new > config.max_context:
+                break
+            tool = rng.randint(config.tool_tokens_min, config.tool_tokens_max)
+            pause = rng.lognormvariate(math.log(config.tool_s) - sigma_tool**2 / 2, sigma_tool)
+            turns.append(Turn(new, pause, tool))
+            context += new + tool
+            if context >= config.max_context:
+                break
+        if turns:
+            out.append(Trajectory(prompt, tuple(turns)))
+    return out
+
+
+@dataclass(eq=False)
+class Seq:
+    """One turn on an engine."""
+
+    request: TurnRequest
+    traj: int
+    turn: int
+    context: int  # tokens in KV when running (prompt + generated so far)
+    remaining: int
+    prefill: int  # tokens to prefill when (re)admitted
+    reserved: int = 0
+    arrived: float = 0.0
+
+
+@dataclass(eq=False)
+class SimEngine:
+    state: EngineState
+    index: int
+    running: list[Seq] = field(default_factory=list)
+    waiting: deque[Seq] = field(default_factory=deque)
+    busy: bool = False
+    idle_since: float = 0.0
+    idle_s: float = 0.0
+    preemptions: int = 0
+    steps: int = 0
+    max_blocks_used: int = 0
+    kv_blocks: int = 0  # blocks in use at the start of the current chunk
+
+
+@dataclass
+class SimResult:
+    policy: str
+    makespan_s: float
+    idle_fraction: float
+    idle_engine_s: float
+    preemptions: int
+    turns: int
+    queued_on_arrival: int
+    queue_mean_s: float
+    queue_p95_s: float
+    capacity_ok: bool
+    wall_s: float
+
+
+class Simulation:
+    def __init__(self, config: SimConfig, policy: str, workload: list[Trajectory]) -> None:
+        self.config = config
+        self.policy_name = policy
+        self.policy = POLICIES[policy]
+        self.workload = workload
+        self.blocks = config.kv_tokens // config.block_size
+        self.engines = [
+            SimEngine(
+                EngineState(
+                    name=f"e{i}",
+                    healthy=True,
+                    probed=True,
+                    block_size=config.block_size,
+                    num_blocks=self.blocks,
+                    max_model_len=config.max_context,
+                ),
+                i,
+            )
+            for i in range(config.engines)
+        ]
+        self.events: list[tuple[float, int, str, Any]] = []
+        self.counter = 0
+        self.queue: list[TurnRequest] = []
+        self.pending: dict[int, Seq] = {}  # request seq -> Seq, queued in the scheduler
+        self.last_engine: dict[int, int] = {}
+        self.contexts: dict[int, int] = {}  # trajectory -> tokens of context for next turn
+        self.prev_context: dict[int, int] = {}  # trajectory -> context cached by last turn
+        self.queue_s: list[float] = []
+        self.queued_on_arrival = 0
+        self.turns_done = 0
+        self.trajectories_left = len(workload)
+        self.now = 0.0
+        self.seq_no = 0
+        self.capacity_ok = True
+        self.dirty = False
+        self.need: dict[int, int] = {}
+        self.arrived_now: list[TurnRequest] = []
+
+    # -- events --
+    def push(self, at: float, kind: str, payload: Any) -> None:
+        self.counter += 1
+        heapq.heappush(self.events, (at, self.counter, kind, payload))
+
+    def run(self) -> SimResult:
+        started = time.monotonic()
+        for t, traj in enumerate(self.workload):
+            self.contexts[t] = traj.prompt_tokens
+            self.push(0.0, "arrive", (t, 0))
+        while self.events:
+            at, _, kind, payload = heapq.heappop(self.events)
+            self.now = at
+            if kind == "arrive":
+                self.arrive(*payload)
+            elif kind == "step":
+                self.step_done(payload)
+            # Decide once per instant, and only when a turn arrived or ended.
+            if self.dirty and (not self.events or self.events[0][0] > at):
+                self.dispatch()
+                self.dirty = False
+        makespan = self.now
+        idle = 0.0
+        for e in self.engines:
+            idle += e.idle_s + (makespan - e.idle_since if not e.busy else 0.0)
+        qs = sorted(self.queue_s)
+        return SimResult(
+            policy=self.policy_name,
+            makespan_s=makespan,
+            idle_fraction=idle / (makespan * len(self.engines)) if makespan else 0.0,
+            idle_engine_s=idle,
+            preemptions=sum(e.preemptions for e in self.engines),
+            turns=self.turns_done,
+            queued_on_arrival=self.queued_on_arrival,
+            queue_mean_s=sum(qs) / len(qs) if qs else 0.0,
+            queue_p95_s=qs[int(0.95 * (len(qs) - 1))] if qs else 0.0,
+            capacity_ok=self.capacity_ok,
+            wall_s=time.monotonic() - started,
+        )
+
+    def arrive(self, traj: int, turn: int) -> None:
+        spec = self.workload[traj].turns[turn]
+        self.seq_no += 1
+        request = TurnRequest(
+            trajectory_id=str(traj),
+            prompt_tokens=self.contexts[traj],
+            max_new_tokens=spec.new_tokens,
+            seq=self.seq_no,
+            enqueued_at=self.now,
+        )
+        self.pending[request.seq] = Seq(
+            request, traj, turn, self.contexts[traj], spec.new_tokens, 0, arrived=self.now
+        )
+        self.need[request.seq] = self.engines[0].state.need(request)
+        self.queue.append(request)
+        self.arrived_now.append(request)
+        self.dirty = True
+
+    def dispatch(self) -> None:
+        arrived, self.arrived_now = self.arrived_now, []
+        if not self.queue:
+            return
+        for e in self.engines:
+            self.sync_state(e)
+        states = [e.state for e in self.engines]
+        # Least-requests and round-robin send every turn at once: give them the whole queue.
+        window = self.queue if self.policy_name != KV_AWARE else self.queue[: self.config.window]
+        if self.policy_name == KV_AWARE:
+            # Exactly what plan_admissions would admit, cheaper: a turn that needs more than
+            # the most free room anywhere is skipped by it anyway (free only shrinks while it
+            # plans), unless it has starved, when it stops the scan; keep those.
+            most_free = max(s.free_tokens for s in states)
+            starved = self.now - self.config.starvation_s
+            window = [
+                r for r in window if self.need[r.seq] <= most_free or r.enqueued_at <= starved
+            ]
+        admitted = plan_admissions(window, states, self.policy, self.now, self.config.starvation_s)
+        sent = {r.seq for r, _ in admitted}
+        if sent:
+            self.queue = [r for r in self.queue if r.seq not in sent]
+        self.queued_on_arrival += sum(1 for r in arrived if r.seq not in sent)
+        by_name = {e.state.name: e for e in self.engines}
+        for request, state in admitted:
+            engine = by_name[state.name]
+            seq = self.pending.pop(request.seq)
+            seq.reserved = state.need(request)
+            self.queue_s.append(self.now - seq.arrived)
+            state.trajectories.add(request.trajectory_id)
+            cached = (
+                self.prev_context.get(seq.traj, 0)
+                if self.last_engine.get(seq.traj) == engine.index
+                else 0
+            )
+            seq.prefill = max(1, seq.context - cached)
+            self.last_engine[seq.traj] = engine.index
+            engine.waiting.append(seq)
+            self.wake(engine)
+
+    def sync_state(self, e: SimEngine) -> None:
+        usable = self.blocks - 1
+        e.state.kv_usage = min(1.0, e.kv_blocks / usable)
+        e.state.running = len(e.running)
+        e.state.waiting = len(e.waiting)
+        e.state.preemptions = e.preemptions
+        e.state.released_since_sample = 0
+
+    def blocks_of(self, tokens: int) -> int:
+        return -(-tokens // self.config.block_size)
+
+    def wake(self, e: SimEngine) -> None:
+        if not e.busy:
+            e.busy = True
+            e.idle_s += self.now - e.idle_since
+            self.start_chunk(e)
+
+    def start_chunk(self, e: SimEngine) -> None:
+        c = self.config
+        usable = self.blocks - 1
+        used = sum(self.blocks_of(s.context) for s in e.running)
+        prefill = 0
+        # Admit waiting FIFO while their context (+1 token) fits.
+        while e.waiting:
+            s = e.waiting[0]
+            need = self.blocks_of(s.context + 1)
+            if used + need > usable:
+                break
+            e.waiting.popleft()
+            e.running.append(s)
+            used += self.blocks_of(s.context)
+            prefill += s.prefill
+        # Preempt the newest while the next step overflows.
+        while e.running and sum(self.blocks_of(s.context + 1) for s in e.running) > usable:
+            victim = e.running.pop()
+            victim.prefill = victim.context  # recompute prompt + generated so far
+            e.waiting.appendleft(victim)
+            e.preemptions += 1
+        e.kv_blocks = sum(self.blocks_of(s.context) for s in e.running)
+        if not e.running:
+            e.busy = False
+            e.idle_since = self.now
+            if e.waiting:  # one sequence larger than the cache: cannot happen (check_fits)
+                self.capacity_ok = False
+            return
+        # Chunk: k steps with no finish and no overflow inside (largest such k, by bisection).
+        lo, hi = 1, min(c.chunk, min(s.remaining for s in e.running))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if sum(self.blocks_of(s.context + mid) for s in e.running) <= usable:
+                lo = mid
+            else:
+                hi = mid - 1
+        k = lo
+        blocks_used = sum(self.blocks_of(s.context + k) for s in e.running)
+        e.max_blocks_used = max(e.max_blocks_used, blocks_used)
+        if blocks_used > usable:
+            self.capacity_ok = False
+        batch = len(e.running)
+        seconds = k * (c.step_base_s + c.step_per_seq_s * batch) + prefill / c.prefill_tokens_per_s
+        self.push(self.now + seconds, "step", (e.index, k))
+
+    def step_done(self, payload: tuple[int, int]) -> None:
+        index, k = payload
+        e = self.engines[index]
+        e.steps += k
+        still = []
+        for s in e.running:
+            s.context += k
+            s.remaining -= k
+            if s.remaining <= 0:
+                self.finish(e, s)
+            else:
+                still.append(s)
+        e.running = still
+        self.start_chunk(e)
+
+    def finish(self, e: SimEngine, s: Seq) -> None:
+        release(e.state, s.reserved)
+        self.dirty = True
+        self.turns_done += 1
+        traj = self.workload[s.traj]
+        spec = traj.turns[s.turn]
+        self.prev_context[s.traj] = s.context
+        if s.turn + 1 < len(traj.turns):
+            self.contexts[s.traj] = s.context + spec.tool_tokens
+            delay = spec.tool_s + self.config.turn_overhead_s
+            self.push(self.now + delay, "arrive", (s.traj, s.turn + 1))
+        else:
+            e.state.trajectories.discard(str(s.traj))
+            self.trajectories_left -= 1
+
+
+def simulate(config: SimConfig, policy: str) -> SimResult:
+    return Simulation(config, policy, make_workload(config)).run()
+
+
+def load_calibration(config: SimConfig, path: str) -> SimConfig:
+    data = json.loads(Path(path).read_text())
+    return replace(
+        config,
+        step_base_s=float(data["step_base_s"]),
+        step_per_seq_s=float(data["step_per_seq_s"]),
+        prefill_tokens_per_s=float(data["prefill_tokens_per_s"]),
+        turn_overhead_s=float(data["turn_overhead_s"]),
+    )
+
+
+def print_table(results: list[SimResult]) -> None:
+    header = (
+        f"{'policy':<15}{'makespan s':>11}{'idle frac':>10}{'idle eng-s':>11}{'preempt':>9}"
+        f"{'turns':>7}{'queued':>8}{'q mean s':>9}{'q p95 s':>9}{'kv ok':>6}{'wall s':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        print(
+            f"{r.policy:<15}{r.makespan_s:>11.1f}{r.idle_fraction:>10.3f}{r.idle_engine_s:>11.0f}"
+            f"{r.preemptions:>9}{r.turns:>7}{r.queued_on_arrival:>8}{r.queue_mean_s:>9.2f}"
+            f"{r.queue_p95_s:>9.2f}{'yes' if r.capacity_ok else 'NO':>6}{r.wall_s:>7.1f}"
+        )
+    by = {r.policy: r for r in results}
+    rr = by.get(ROUND_ROBIN)
+    if rr is None:
+        return
+    for r in results:
+        if r.policy == ROUND_ROBIN:
+            continue
+        reduction = 1 - r.idle_engine_s / rr.idle_engine_s if rr.idle_engine_s else 0.0
+        print(
+            f"{r.policy} vs round-robin (static): makespan x{r.makespan_s / rr.makespan_s:.2f}, "
+            f"idle-time reduction {reduction:.0%}, preemptions {r.preemptions} vs "
+            f"{rr.preemptions}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    defaults = SimConfig()
+    for name in (
+        "engines", "trajectories", "seed", "kv_tokens", "block_size", "new_median",
+        "new_max", "turns_max", "chunk", "window",
+    ):  # fmt: skip
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name)
+        )
+    parser.add_argument("--tool-s", type=float, default=defaults.tool_s)
+    parser.add_argument("--starvation-s", type=float, default=defaults.starvation_s)
+    parser.add_argument("--calibration", default="", help="JSON from scheduler_bench.py")
+    parser.add_argument("--policies", default=",".join(POLICY_ORDER))
+    parser.add_argument("--json", default="")
+    args = parser.parse_args(argv)
+    config = replace(
+        defaults,
+        engines=args.engines,
+        trajectories=args.trajectories,
+        seed=args.seed,
+        kv_tokens=args.kv_tokens,
+        block_size=args.block_size,
+        new_median=args.new_median,
+        new_max=args.new_max,
+        turns_max=args.turns_max,
+        chunk=args.chunk,
+        window=args.window,
+        tool_s=args.tool_s,
+        starvation_s=args.starvation_s,
+    )
+    if args.calibration:
+        config = load_calibration(config, args.calibration)
+    workload = make_workload(config)
+    turns = sum(len(t.turns) for t in workload)
+    print(
+        f"{config.engines} engines x {config.usable_tokens} KV tokens; {len(workload)} "
+        f"trajectories, {turns} turns; step {config.step_base_s * 1000:.1f} ms + "
+        f"{config.step_per_seq_s * 1000:.3f} ms x batch; prefill "
+        f"{config.prefill_tokens_per_s:.0f} tok/s; tool {config.tool_s} s mean; starvation "
+        f"{config.starvation_s} s"
+        + (f" (calibrated from {args.calibration})" if args.calibration else "")
+    )
+    results = [Simulation(config, p, workload).run() for p in args.policies.split(",") if p]
+    print_table(results)
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps([r.__dict__ for r in results], indent=2, default=str) + "\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
