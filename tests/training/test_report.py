@@ -1,0 +1,156 @@
+"""The run report: report.md and PNG plots from a metrics.jsonl like TrainingSession's."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubestar.training.report import PLOTS, write_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, f"{path} is not a PNG"
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+def metrics_file(run_dir: Path, entries: list[dict[str, Any]]) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in entries))
+
+
+def session_like_entries() -> list[dict[str, Any]]:
+    entries: list[dict[str, Any]] = [
+        {
+            "step": 0,
+            "stage": "sft",
+            "loss": 0.4321,
+            "initial_loss": 2.5,
+            "first_epoch_loss": 1.25,
+            "examples": 64.0,
+            "error_fix_examples": 9.0,
+            "tokens": 12345.0,
+            "seconds": 321.0,
+            "epochs": 2.0,
+            "steps": 16.0,
+            "learning_rate": 5e-5,
+        }
+    ]
+    for step in range(1, 9):
+        stage = "warmup" if step <= 5 else "harder"
+        entries.append(
+            {
+                "step": step,
+                "stage": stage,
+                "stage_step": step if step <= 5 else step - 5,
+                "reward": 0.1 * step,
+                "accuracy": 0.05 * step,
+                "tool_error_rate": 0.5 - 0.05 * step,
+                "positive_tool_error_rate": 0.3 - 0.03 * step,
+                "mean_response_tokens": 300.0 - 10 * step,
+                "kept_response_tokens": 250.0 - 8 * step,
+                "tokens_per_second": 150.0 + step,
+                "step_seconds": 60.0 + step,
+                "tool_calls_per_trajectory": 1.25,
+                "answered_rate": 0.75,
+            }
+        )
+    entries.append(
+        {
+            "step": 8,
+            "stage": "evaluation",
+            "eval_accuracy": 0.5667,
+            "answered_rate": 0.9,
+            "tool_calls_per_trajectory": 1.1,
+            "tool_error_rate": 0.125,
+            "mean_response_tokens": 180.5,
+            "truncated_rate": 0.1,
+            "rollouts": 30.0,
+        }
+    )
+    return entries
+
+
+def test_report_has_the_table_summaries_and_plots(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (the training extra)")
+    run_dir = tmp_path / "tiny-run"
+    metrics_file(run_dir, session_like_entries())
+    (run_dir / "status.json").write_text(
+        json.dumps({"phase": "Succeeded", "step": 8, "totalSteps": 8})
+    )
+    path = write_report(run_dir)
+    assert path == run_dir / "report" / "report.md"
+    text = path.read_text()
+    assert text.startswith("# Training report: tiny-run")
+    assert "Phase **Succeeded**, step 8 of 8." in text
+
+    # SFT summary
+    assert "## Non-reasoning SFT" in text
+    assert "| loss, last epoch | 0.4321 |" in text
+    assert "| examples that fix an error | 9 |" in text
+
+    # One table row per RL step, in order, with the step's numbers.
+    rows = [line for line in text.splitlines() if line.startswith(("| 1 |", "| 8 |"))]
+    assert rows[0].startswith("| 1 | warmup | 0.100 | 0.050 | 1.25 | 0.450 | 0.270 | 290 |")
+    assert rows[-1].startswith("| 8 | harder | 0.800 | 0.400 |")
+    body = text.split("## RL steps")[1].split("###")[0]
+    assert sum(1 for line in body.splitlines() if line.startswith("| ") and "warmup" in line) == 5
+    assert "| harder | 3 |" in text  # per-stage summary
+
+    # Evaluation summary
+    assert "## Evaluation" in text and "after step 8" in text
+    assert "| accuracy | 0.567 |" in text and "| trajectories | 30 |" in text
+
+    # Plots: every one written, linked from the report, a real PNG of a sensible size.
+    for name, title, _, _ in PLOTS:
+        image = run_dir / "report" / name
+        width, height = png_size(image)
+        assert (width, height) == (700, 400)
+        assert image.stat().st_size > 5_000
+        assert f"![{title}]({name})" in text
+
+
+def test_plot_of_the_tool_error_rates_draws_both_series(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (the training extra)")
+    from matplotlib.image import imread
+
+    run_dir = tmp_path / "run"
+    metrics_file(run_dir, session_like_entries())
+    write_report(run_dir)
+    pixels = imread(run_dir / "report" / "tool_error_rate.png")
+    # Matplotlib's default first two colours (blue, orange) are both on the canvas.
+    red, green, blue = pixels[..., 0], pixels[..., 1], pixels[..., 2]
+    assert ((blue > 0.6) & (red < 0.25)).sum() > 200
+    assert ((red > 0.9) & (green > 0.4) & (green < 0.6) & (blue < 0.2)).sum() > 200
+
+
+def test_missing_values_and_an_empty_run(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (the training extra)")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    text = write_report(empty).read_text()
+    assert "No metrics yet" in text
+    assert not list((empty / "report").glob("*.png"))
+
+    sparse = tmp_path / "sparse"
+    metrics_file(
+        sparse,
+        [
+            {"step": 1, "stage": "s", "reward": 0.5, "accuracy": math.nan},
+            {"step": 2, "stage": "s", "reward": None},
+        ],
+    )
+    with (sparse / "metrics.jsonl").open("a") as handle:
+        handle.write("not json\n")
+    text = write_report(sparse).read_text()
+    assert "| 1 | s | 0.500 | - |" in text and "| 2 | s | - | - |" in text
+    written = {p.name for p in (sparse / "report").glob("*.png")}
+    assert written == {"reward.png"}  # the only metric with a value
+    assert "## Evaluation" not in text and "## Non-reasoning SFT" not in text
