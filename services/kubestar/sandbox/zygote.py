@@ -25,6 +25,7 @@ import argparse
 import builtins
 import contextlib
 import ctypes
+import functools
 import importlib
 import marshal
 import os
@@ -219,26 +220,37 @@ def _runtime_paths() -> list[str]:
     return top
 
 
-def _hide_directory(path: str) -> None:
-    """Cover `path` with an empty tmpfs, keeping the Python runtime inside it visible read-only.
+def _cover(path: str, options: str, read_only: bool) -> None:
+    """Mount an empty tmpfs over `path`, keeping the Python runtime inside it visible read-only.
 
-    Hiding root's home (where kubeconfigs and cloud credentials live) would otherwise also
-    hide an interpreter installed there (pyenv under /root, for instance).
+    Hiding root's home (where kubeconfigs and cloud credentials live) or giving calls a private
+    /tmp would otherwise also hide an interpreter or virtualenv installed there (pyenv under
+    /root, a checkout under /tmp).
     """
     inside = [p for p in _runtime_paths() if p.startswith(path.rstrip("/") + "/")]
     # Hold the runtime directories open: once the tmpfs covers them, /proc/self/fd/N still
     # names them as bind-mount sources.
     handles = [os.open(p, os.O_PATH | os.O_DIRECTORY) for p in inside]
     try:
-        _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755")
+        _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, options)
         for runtime, handle in zip(inside, handles, strict=True):
             os.makedirs(runtime, mode=0o755, exist_ok=True)
             _mount(f"/proc/self/fd/{handle}", runtime, None, MS_BIND | MS_REC, None)
             _mount("none", runtime, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_REC, None)
-        _mount("none", path, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
+        if read_only:
+            _mount("none", path, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
     finally:
         for handle in handles:
             os.close(handle)
+
+
+@functools.cache
+def _runtime_entries(directory: str) -> frozenset[str]:
+    """Top-level entries of `directory` that lead to the Python runtime (kept between calls)."""
+    prefix = directory.rstrip("/") + "/"
+    return frozenset(
+        prefix + p[len(prefix) :].split("/", 1)[0] for p in _runtime_paths() if p.startswith(prefix)
+    )
 
 
 def _setup_mounts(isolation: Isolation, hidden_paths: list[str]) -> None:
@@ -249,10 +261,10 @@ def _setup_mounts(isolation: Isolation, hidden_paths: list[str]) -> None:
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
         for path in PRIVATE_TMPFS:
             if os.path.isdir(path):
-                _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=256m,mode=1777")
+                _cover(path, "size=256m,mode=1777", read_only=False)
         for path in [*SECRET_PATHS, *hidden_paths]:
             if os.path.isdir(path):
-                _hide_directory(path)
+                _cover(path, "size=64k,mode=0755", read_only=True)
             elif os.path.isfile(path):
                 _mount("/dev/null", path, None, MS_BIND, None)
     except OSError as error:
@@ -333,7 +345,7 @@ class Zygote:
                 shutil.rmtree(workdir, ignore_errors=True)
             if self.isolation.mount_namespace:
                 for path in PRIVATE_TMPFS:
-                    _empty_directory(path, keep=self.work_root)
+                    _empty_directory(path, keep={self.work_root, *_runtime_entries(path)})
 
     def _run_in_child(self, request: dict[str, Any], workdir: str) -> dict[str, Any]:
         timeout = float(request["timeout_seconds"])
@@ -575,14 +587,14 @@ def _children_of(parent: int) -> list[int]:
     return children
 
 
-def _empty_directory(path: str, keep: str) -> None:
+def _empty_directory(path: str, keep: set[str]) -> None:
     try:
         entries = os.listdir(path)
     except OSError:
         return
     for entry in entries:
         full = os.path.join(path, entry)
-        if full == keep:
+        if full in keep:
             continue
         if os.path.isdir(full) and not os.path.islink(full):
             shutil.rmtree(full, ignore_errors=True)
