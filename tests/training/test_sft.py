@@ -186,6 +186,13 @@ def test_too_small_a_token_budget_is_reported(
         build_sft_examples(4, sandbox.endpoint, tokenizer, max_tokens=64)
 
 
+def test_an_unreachable_sandbox_fails_the_build(tokenizer: ChatTokenizer) -> None:
+    from tests.sandbox.support import free_port
+
+    with pytest.raises(RuntimeError, match="did not answer"):
+        build_sft_examples(2, f"127.0.0.1:{free_port()}", tokenizer)
+
+
 # -- training -----------------------------------------------------------------------------------
 HAS_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 

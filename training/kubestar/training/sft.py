@@ -13,14 +13,17 @@ small warm-up set itself and trains on it:
   unclosed parenthesis, adding a string to a number, an undefined function), reads the real
   traceback, says what was wrong and fixes it.
 * Format and masks: every example is produced by the agent loop itself (`AgentLoop` with a
-  scripted "model" and the real sandbox), so prompts, tool turns and token ownership are
-  exactly those of RL trajectories: the assistant's text (up to `</tool_call>`, and the final
-  turn with its `<|im_end|>`) has loss mask 1; system, user and tool tokens (including the
-  `<|im_end|>` the loop adds after `</tool_call>`) have 0.
+  scripted "model" and the real sandbox via `SandboxClient`), so prompts, tool turns and
+  token ownership are exactly those of RL trajectories: the assistant's text (up to
+  `</tool_call>`, and the final turn with its `<|im_end|>`) has loss mask 1; system, user
+  and tool tokens (including the `<|im_end|>` the loop adds after `</tool_call>`) have 0.
 
 An example is kept only when the loop ended with an answer, every call had the intended
 status (`error` for a planted bug, then `ok`), the printed value agrees with the reference
-answer, and prompt + response fit `max_tokens`.
+answer, and prompt + response fit `max_tokens`. With SmolLM2's tokenizer the prompt (system
+prompt with the tool declaration) takes about 310 tokens and whole examples 400-600, the
+error-fixing ones being the longest: a `max_tokens` under about 640 drops those first, and
+one under about 400 leaves nothing (an error says so).
 
 Training: `spec.epochs` passes in shuffled batches of `spec.batch_size` examples, masked
 cross-entropy through `Policy.sft_step`, with a fresh AdamW at `spec.learning_rate`; the RL
@@ -41,9 +44,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kubestar.sandbox.client import Call, SandboxClient
 from kubestar.training.chat import ChatTokenizer
 from kubestar.training.datasets import Problem, reasoning_gym_problems
-from kubestar.training.executors import SandboxStreamExecutor
 from kubestar.training.generators import ScriptedGenerator
 from kubestar.training.rollout import AgentLoop, RolloutConfig
 from kubestar.training.tools import (
@@ -56,6 +59,7 @@ from kubestar.training.tools import (
     system_prompt,
 )
 from kubestar.training.trajectory import ANSWERED, MODEL, Trajectory
+from kubestar.v1 import sandbox_pb2 as pb
 
 if TYPE_CHECKING:
     from kubestar.api.v1alpha1 import SftSpec
@@ -517,6 +521,31 @@ def _script(plans: dict[str, Plan]) -> Callable[[str, int, str], str]:
     return script
 
 
+class SandboxTools:
+    """The agent loop's ToolExecutor over the blocking SandboxClient (calls run in threads).
+
+    A call the sandbox does not answer is remembered in `error`: the build then fails with
+    that error instead of producing examples whose tool turns say that the sandbox failed.
+    """
+
+    def __init__(self, endpoint: str, timeout: float = 300.0) -> None:
+        self.endpoint = endpoint
+        self.client = SandboxClient(endpoint, timeout=timeout)
+        self.error = ""
+
+    async def execute(self, call: Call) -> pb.ExecutionResult:
+        import grpc
+
+        try:
+            return await asyncio.to_thread(self.client.execute, call)
+        except grpc.RpcError as exc:
+            self.error = f"the sandbox at {self.endpoint} did not answer: {exc}"
+            raise
+
+    async def close(self) -> None:
+        self.client.close()
+
+
 def _example(plan: Plan, trajectory: Trajectory, max_tokens: int) -> tuple[SftExample | None, str]:
     """The example, or None and why it was dropped (a short reason, then details)."""
     trajectory.check()
@@ -577,7 +606,7 @@ async def build_sft_examples_async(
         instructions=base.instructions,
         user_template=base.user_template,
     )
-    tools = SandboxStreamExecutor(sandbox_endpoint)
+    tools = SandboxTools(sandbox_endpoint)
     examples: list[SftExample] = []
     dropped: dict[str, int] = {}
     slots = asyncio.Semaphore(concurrency)
@@ -598,6 +627,9 @@ async def build_sft_examples_async(
                     return await loop.run_trajectory(plan.problem, 0, plan.problem.id)
 
             trajectories = await asyncio.gather(*(play(plan) for plan in plans))
+            if tools.error:
+                raise RuntimeError(tools.error)
+            before = len(examples)
             for plan, trajectory in zip(plans, trajectories, strict=True):
                 example, why = _example(plan, trajectory, max_tokens)
                 if example is None:
@@ -606,6 +638,8 @@ async def build_sft_examples_async(
                     log.debug("sft example %s dropped: %s", plan.problem.id, why)
                 elif len(examples) < count:
                     examples.append(example)
+            if len(examples) == before:  # nothing fits: more rounds will not help
+                break
     finally:
         await tools.close()
     if dropped:
