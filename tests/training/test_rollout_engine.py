@@ -12,11 +12,11 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from kubestar.engine.launch import EngineProcess, EngineSettings
+from kubestar.engine.launch import EngineProcess
 from kubestar.training.chat import ChatTokenizer
 from kubestar.training.datasets import Problem, load_problems
 from kubestar.training.executors import SandboxStreamExecutor
@@ -25,53 +25,11 @@ from kubestar.training.rewards import RewardScorer
 from kubestar.training.rollout import AgentLoop, RolloutConfig, rollout
 from kubestar.training.trajectory import ANSWERED, MAX_LENGTH, MODEL, NO_ANSWER, TOOL
 
-from tests.sandbox.support import ThreadedServer, free_port
-from tests.training.rollout_support import REPO, engine_python, start_sandbox, tiny_model, tool_call
+from tests.sandbox.support import ThreadedServer
+from tests.training.conftest import MAX_MODEL_LEN
+from tests.training.rollout_support import REPO, tool_call
 
 pytestmark = pytest.mark.slow
-
-MAX_MODEL_LEN = 1024
-
-
-@pytest.fixture(scope="module")
-def python() -> str:
-    found = engine_python()
-    if found is None:
-        pytest.skip(
-            "no python with vLLM: install the engine extra, or point KUBESTAR_ENGINE_PYTHON "
-            "at one (e.g. /work/vllm-venv/bin/python)"
-        )
-    return found
-
-
-@pytest.fixture(scope="module")
-def model(python: str) -> Path:
-    return tiny_model(python)
-
-
-@pytest.fixture(scope="module")
-def engine(
-    python: str, model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[EngineProcess]:
-    log = tmp_path_factory.mktemp("engine") / "engine.log"
-    settings = EngineSettings(
-        model=str(model), port=free_port(), python=python, max_model_len=MAX_MODEL_LEN
-    )
-    process = EngineProcess(settings, log_path=log)
-    try:
-        process.start(timeout=300)
-    except (RuntimeError, TimeoutError) as exc:
-        process.stop()
-        raise RuntimeError(f"{exc}\n{log.read_text()[-3000:]}") from exc
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def sandbox() -> Iterator[ThreadedServer]:
-    server = start_sandbox(executors=2)
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

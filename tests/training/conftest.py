@@ -1,0 +1,55 @@
+"""Module-scoped real services shared by the training tests that need an engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kubestar.engine.launch import EngineProcess, EngineSettings
+
+from tests.sandbox.support import ThreadedServer, free_port
+from tests.training.rollout_support import engine_python, start_sandbox, tiny_model
+
+MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="module")
+def python() -> str:
+    found = engine_python()
+    if found is None:
+        pytest.skip(
+            "no python with vLLM: install the engine extra, or point KUBESTAR_ENGINE_PYTHON "
+            "at one (e.g. /work/vllm-venv/bin/python)"
+        )
+    return found
+
+
+@pytest.fixture(scope="module")
+def model(python: str) -> Path:
+    return tiny_model(python)
+
+
+@pytest.fixture(scope="module")
+def engine(
+    python: str, model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EngineProcess]:
+    log = tmp_path_factory.mktemp("engine") / "engine.log"
+    settings = EngineSettings(
+        model=str(model), port=free_port(), python=python, max_model_len=MAX_MODEL_LEN
+    )
+    process = EngineProcess(settings, log_path=log)
+    try:
+        process.start(timeout=600)
+    except (RuntimeError, TimeoutError) as exc:
+        process.stop()
+        raise RuntimeError(f"{exc}\n{log.read_text()[-3000:]}") from exc
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> Iterator[ThreadedServer]:
+    server = start_sandbox(executors=2)
+    yield server
+    server.stop()
