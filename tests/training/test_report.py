@@ -62,10 +62,19 @@ def session_like_entries() -> list[dict[str, Any]]:
                 "answered_rate": 0.75,
             }
         )
+    entries.insert(
+        0,
+        {"step": 0, "stage": "evaluation", "point": "start", "eval_accuracy": 0.0},
+    )
+    entries.insert(
+        2,
+        {"step": 0, "stage": "evaluation", "point": "sft", "eval_accuracy": 0.5, "rollouts": 30.0},
+    )
     entries.append(
         {
             "step": 8,
             "stage": "evaluation",
+            "point": "end",
             "eval_accuracy": 0.5667,
             "answered_rate": 0.9,
             "tool_calls_per_trajectory": 1.1,
@@ -104,9 +113,16 @@ def test_report_has_the_table_summaries_and_plots(tmp_path: Path) -> None:
     assert sum(1 for line in body.splitlines() if line.startswith("| ") and "warmup" in line) == 5
     assert "| harder | 3 |" in text  # per-stage summary
 
-    # Evaluation summary
-    assert "## Evaluation" in text and "after step 8" in text
-    assert "| accuracy | 0.567 |" in text and "| trajectories | 30 |" in text
+    # Evaluations: one row per point, in the order they ran.
+    evaluation = text.split("## Evaluation")[1].split("##")[0]
+    rows = [line for line in evaluation.splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0] for row in rows[1:]] == [
+        "| initial policy",
+        "| after SFT",
+        "| after RL",
+    ]
+    assert rows[1].startswith("| initial policy | 0 | 0.000 | - |")
+    assert rows[3].startswith("| after RL | 8 | 0.567 | 0.900 | 0.100 | 1.10 | 0.125 | 180.5 |")
 
     # Plots: every one written, linked from the report, a real PNG of a sensible size.
     for name, title, _, _ in PLOTS:

@@ -186,9 +186,15 @@ class CheckpointSpec(Spec):
     pvc_claim_name: str | None = None
 
 
+EvaluationPoint = Literal["start", "sft", "end"]
+
+
 class EvaluationSpec(Spec):
     dataset: DatasetSpec | None = None
     samples: int = Field(1, ge=1)
+    # When to evaluate: "start" is the policy before any training (verl's val_before_train),
+    # "sft" right after the SFT stage, "end" after the last RL step.
+    at: list[EvaluationPoint] = Field(default_factory=lambda: list[EvaluationPoint](["end"]))
 
 
 class TrainingRunSpec(Spec):
@@ -235,7 +241,9 @@ class TrainingMetrics(Spec):
     step_seconds: float | None = None
 
 
-Phase = Literal["Pending", "Provisioning", "SFT", "Training", "Succeeded", "Failed"]
+Phase = Literal[
+    "Pending", "Provisioning", "Evaluating", "SFT", "Training", "Succeeded", "Failed"
+]
 
 
 class TrainingRunStatus(Spec):

@@ -57,7 +57,7 @@ CONFIG_DIR = "/etc/kubestar"
 RUN_CONFIG = f"{CONFIG_DIR}/run.yaml"
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
-TRAINER_PHASES = ("SFT", "Training", "Succeeded", "Failed")
+TRAINER_PHASES = ("Evaluating", "SFT", "Training", "Succeeded", "Failed")
 TRAINER_FIELDS = (
     "phase",
     "stage",

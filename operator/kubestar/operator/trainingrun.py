@@ -32,7 +32,7 @@ from pydantic import ValidationError
 
 KIND = "TrainingRun"
 TERMINAL = ("Succeeded", "Failed")
-TRAINER_PHASES = ("SFT", "Training")
+TRAINER_PHASES = ("Evaluating", "SFT", "Training")
 RAY_VERSIONS = ("v1", "v1alpha1")
 
 

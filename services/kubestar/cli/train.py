@@ -50,7 +50,7 @@ def train(
 
     Locally this starts the sandbox, the vLLM engines and the rollout scheduler as processes
     on 127.0.0.1, resumes from the run directory's newest checkpoint unless --fresh, and
-    writes metrics.jsonl, status.json, evaluation.json and report/ (table and plots).
+    writes metrics.jsonl, status.json, evaluation-*.json and report/ (table and plots).
     """
     logs.configure(log_level)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -103,11 +103,19 @@ def train(
     bar = tqdm(total=total, desc="training", unit="step", file=sys.stderr)
 
     def progress(stage: str, step: int, total_steps: int, metrics: dict[str, float]) -> None:
-        bar.set_postfix_str(
-            f"{stage} reward={metrics.get('reward', 0):.2f} acc={metrics.get('accuracy', 0):.2f} "
-            f"tool_err={metrics.get('tool_error_rate', 0):.2f} "
-            f"len={metrics.get('mean_response_tokens', 0):.0f}"
-        )
+        # SFT reports its own optimizer steps and loss; RL steps their rollout metrics.
+        if stage == "sft":
+            bar.set_description("sft")
+            bar.set_postfix_str(f"loss={metrics.get('loss', 0):.3f}")
+        else:
+            bar.set_description("training")
+            bar.set_postfix_str(
+                f"{stage} reward={metrics.get('reward', 0):.2f} "
+                f"acc={metrics.get('accuracy', 0):.2f} "
+                f"tool_err={metrics.get('tool_error_rate', 0):.2f} "
+                f"len={metrics.get('mean_response_tokens', 0):.0f}"
+            )
+        bar.total = total_steps
         bar.n = step
         bar.refresh()
 

@@ -41,6 +41,7 @@ EVALUATION_KEYS: tuple[tuple[str, str, str], ...] = (
     ("mean_response_tokens", "mean response tokens", ".1f"),
     ("rollouts", "trajectories", ".0f"),
 )
+EVALUATION_POINTS = {"start": "initial policy", "sft": "after SFT", "end": "after RL"}
 SFT_KEYS: tuple[tuple[str, str, str], ...] = (
     ("examples", "examples", ".0f"),
     ("error_fix_examples", "examples that fix an error", ".0f"),
@@ -63,6 +64,7 @@ PLOTS: tuple[tuple[str, str, str, tuple[tuple[str, str], ...]], ...] = (
         "error rate",
         (
             ("tool_error_rate", "all rollouts"),
+            ("rollout_positive_tool_error_rate", "positive rollouts"),
             ("positive_tool_error_rate", "kept positive trajectories"),
         ),
     ),
@@ -234,15 +236,19 @@ def write_report(run_dir: Path) -> Path:
         lines += _stage_summary(steps)
 
     if evaluations:
-        evaluation = evaluations[-1]
-        lines += [
-            "## Evaluation",
-            "",
-            f"Held-out problems after step {_cell(evaluation.get('step'), 'd')} (greedy decoding).",
-            "",
-            *_summary(evaluation, EVALUATION_KEYS),
-            "",
-        ]
+        lines += ["## Evaluation", "", "Held-out problems, greedy decoding.", ""]
+        lines += _table(
+            ["when", "after step", *(title for _, title, _ in EVALUATION_KEYS)],
+            [
+                [
+                    EVALUATION_POINTS.get(str(entry.get("point", "end")), "-"),
+                    _cell(entry.get("step"), "d"),
+                    *(_cell(entry.get(key), fmt) for key, _, fmt in EVALUATION_KEYS),
+                ]
+                for entry in evaluations
+            ],
+        )
+        lines.append("")
 
     plotted: list[tuple[str, str]] = []
     if steps:

@@ -147,7 +147,10 @@ class TrainingSession:
     def _run(self, policy: Policy, worker: Any) -> None:
         import ray
 
+        fresh = checkpoint.latest(self.checkpoints) is None
         state = self._resume(policy, worker)
+        if fresh and "start" in self.spec.evaluation.at:
+            self._evaluate(worker, "start")
         seed = zlib.crc32(self.run.metadata.name.encode())  # stable across processes
         trainer = GrpoTrainer(policy, self._algorithm(), pad_id=0, seed=seed)
         if state.rng_state is not None:
@@ -165,6 +168,8 @@ class TrainingSession:
             self._push_weights(policy, worker, version=0)
             state.sft_done = True
             self._checkpoint(policy, state, trainer)
+            if "sft" in self.spec.evaluation.at:
+                self._evaluate(worker, "sft")
 
         self._set_phase("Training", "Training", "GRPO-RoC stages")
         for index in range(state.stage_index, len(self.spec.stages)):
@@ -206,7 +211,8 @@ class TrainingSession:
                     or state.stage_step == stage.steps
                 ):
                     self._checkpoint(policy, state, trainer)
-        self._evaluate(worker)
+        if "end" in self.spec.evaluation.at:
+            self._evaluate(worker, "end")
         self._set_phase("Succeeded", "Completed", f"{self.status.total_steps} steps done")
 
     # -- pieces ----------------------------------------------------------------------------
@@ -322,12 +328,15 @@ class TrainingSession:
         if self.progress:
             self.progress(stage.name, state.global_step, self.status.total_steps, metrics)
 
-    def _evaluate(self, worker: Any) -> None:
+    def _evaluate(self, worker: Any, point: str) -> None:
+        """Greedy agent-loop rollouts on the held-out problems; `point` says when (start,
+        sft, end). Written to metrics.jsonl and evaluation-POINT.json."""
         import ray
 
         evaluation = self.spec.evaluation
         if evaluation.dataset is None:
             return
+        self._set_phase("Evaluating", "Evaluating", f"held-out problems ({point})")
         problems = load_dataset(evaluation.dataset)
         max_tokens = max(stage.max_response_tokens for stage in self.spec.stages)
         trajectories, _ = ray.get(
@@ -340,8 +349,10 @@ class TrainingSession:
             )
         )
         summary = evaluation_summary(trajectories)
-        self.metrics.append({"step": self.status.step, "stage": "evaluation", **summary})
-        (self.run_dir / "evaluation.json").write_text(
+        self.metrics.append(
+            {"step": self.status.step, "stage": "evaluation", "point": point, **summary}
+        )
+        (self.run_dir / f"evaluation-{point}.json").write_text(
             json.dumps(
                 {
                     "summary": summary,

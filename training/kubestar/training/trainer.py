@@ -79,14 +79,24 @@ def _mean(values: Sequence[float]) -> float:
     return statistics.fmean(values) if values else 0.0
 
 
-def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """What every rollout says, before selection."""
+def tool_error_rate(trajectories: Sequence[Trajectory]) -> float:
+    """Share of tool calls whose response was an error (0 when there were no calls)."""
     calls = sum(t.num_tool_calls for t in trajectories)
     errors = sum(t.num_tool_errors for t in trajectories)
+    return errors / calls if calls else 0.0
+
+
+def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """What every rollout says, before selection."""
     return {
         "accuracy": _mean([t.reward or 0.0 for t in trajectories]),
         "tool_calls_per_trajectory": _mean([t.num_tool_calls for t in trajectories]),
-        "tool_error_rate": errors / calls if calls else 0.0,
+        "tool_error_rate": tool_error_rate(trajectories),
+        # The policy's own habit in correct answers (the paper's Figure: errors in positives),
+        # whatever RoC later keeps.
+        "rollout_positive_tool_error_rate": tool_error_rate(
+            [t for t in trajectories if (t.reward or 0.0) > 0]
+        ),
         "mean_response_tokens": _mean([t.response_length for t in trajectories]),
         "answered_rate": _mean([1.0 if t.answered else 0.0 for t in trajectories]),
         "truncated_rate": _mean([1.0 if t.truncated else 0.0 for t in trajectories]),
@@ -95,12 +105,9 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
 
 
 def kept_metrics(kept: Sequence[Trajectory]) -> dict[str, float]:
-    positives = [t for t in kept if (t.reward or 0.0) > 0]
-    calls = sum(t.num_tool_calls for t in positives)
-    errors = sum(t.num_tool_errors for t in positives)
     return {
         "reward": _mean([t.reward or 0.0 for t in kept]),
-        "positive_tool_error_rate": errors / calls if calls else 0.0,
+        "positive_tool_error_rate": tool_error_rate([t for t in kept if (t.reward or 0.0) > 0]),
         "kept_response_tokens": _mean([t.response_length for t in kept]),
         "kept": float(len(kept)),
     }
