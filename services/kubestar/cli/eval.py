@@ -284,7 +284,7 @@ def evaluate(
 
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="kubestar-eval-"))
     context_length = max_model_len or max_response_tokens + 1024
-    from kubestar.cli.rollout import _run
+    from kubestar.cli.rollout import run_rollouts
 
     with local_services(
         model_dir if not engine_url else None,
@@ -300,7 +300,7 @@ def evaluate(
         url = engine_url or local_engine
         assert url is not None
         stats, trajectories = asyncio.run(
-            _run(
+            run_rollouts(
                 engine_url=url,
                 scheduler=None,
                 sandbox=sandbox_endpoint,

@@ -165,7 +165,7 @@ def rollout(
     except (ValueError, FileNotFoundError) as exc:
         raise click.UsageError(str(exc)) from exc
     stats, trajectories = asyncio.run(
-        _run(
+        run_rollouts(
             engine_url=engine_url,
             scheduler=scheduler,
             sandbox=sandbox,
@@ -197,7 +197,7 @@ def rollout(
         click.echo(format_stats(stats))
 
 
-async def _run(
+async def run_rollouts(
     *,
     engine_url: str | None,
     scheduler: str | None,
@@ -219,6 +219,9 @@ async def _run(
     verify_workers: int,
     progress: bool,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Run `samples` trajectories per problem through the agent loop (against one engine or
+    a scheduler); returns the batch's stats and each trajectory as a dict. `kubestar eval`
+    uses it too."""
     from kubestar.training.chat import ChatTokenizer
     from kubestar.training.executors import (
         SandboxBatchExecutor,
