@@ -207,7 +207,7 @@ async def test_code_errors_and_sandbox_timeout_inside_a_trajectory(
         trajectory = await loop.run_trajectory(Problem("p", "sum?", "45"))
     finally:
         await tools.close()
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 30  # the 1 s tool timeout held (no hang)
     trajectory.check()
     error, timeout, ok = trajectory.tool_calls
     assert error.status == "error" and "ZeroDivisionError" in error.response
@@ -411,47 +411,65 @@ async def test_turn_seeds_are_distinct_and_reproducible(sandbox: ThreadedServer)
     assert all(seed > 0 for *_, seed in first)
 
 
+class GatedExecutor(RecordingExecutor):
+    """Holds the calls whose code says `slow` until `release()` (or `timeout`), then runs them:
+    a tool call as slow as the test wants, whatever the machine's load."""
+
+    def __init__(self, inner: ToolExecutor, timeout: float = 120.0) -> None:
+        super().__init__(inner)
+        self.gate = asyncio.Event()
+        self.timeout = timeout
+        self.held_until_released = True
+
+    def release(self) -> None:
+        self.gate.set()
+
+    async def execute(self, call: Call) -> pb.ExecutionResult:
+        if "slow" in call.code:
+            try:
+                await asyncio.wait_for(self.gate.wait(), self.timeout)
+            except TimeoutError:
+                self.held_until_released = False
+        return await super().execute(call)
+
+
 async def test_slow_tool_calls_do_not_hold_up_other_trajectories(
     sandbox: ThreadedServer,
 ) -> None:
-    """200 trajectories; 2 of them make a call that sleeps 1 s while the others keep going."""
+    """200 trajectories through the real sandbox; 2 of them make a call that does not return
+    until the other 198 have finished. If the loop waited on the slow calls anywhere, the
+    others could not finish and the gate would time out."""
     slow_ids = {"c-0-0", "c-1-0"}
+    finished: list[str] = []
 
     def script(trajectory_id: str, turn: int, _context: str) -> str:
         if turn == 0 and trajectory_id in slow_ids:
-            return tool_call("import time\ntime.sleep(1)\nprint('slow')")
+            return tool_call("print('slow')")
         if turn == 0:
             return tool_call(f"print({len(trajectory_id)} * 2)")
+        finished.append(trajectory_id)
+        if len(finished) == 200 - len(slow_ids):
+            gated.release()
         return "\\boxed{3}"
 
     generator = ScriptedGenerator(chat_tokenizer(), script, delay=0.02)
-    recorder = RecordingExecutor(SandboxStreamExecutor(sandbox.endpoint))
-    loop = AgentLoop(generator, recorder, chat_tokenizer(), RolloutConfig())
+    gated = GatedExecutor(SandboxStreamExecutor(sandbox.endpoint))
+    loop = AgentLoop(generator, gated, chat_tokenizer(), RolloutConfig())
     problems = [Problem(f"q{i}", "1+2?", "3") for i in range(100)]
-    started = time.monotonic()
     try:
         trajectories = await loop.run_many(problems, samples=2, run_id="c")
     finally:
-        await recorder.close()
-    wall = time.monotonic() - started
+        await gated.close()
+    assert gated.held_until_released, "the other trajectories did not finish while 2 calls hung"
     assert len(trajectories) == 200
     assert all(t.finish_reason == ANSWERED for t in trajectories)
     assert [t.id for t in trajectories[:2]] == ["c-0-0", "c-0-1"]  # problem order kept
-    slow = [r for r in recorder.calls if "sleep" in r.code]
-    assert len(slow) == 2 and all(r.end - r.start >= 1.0 for r in slow)
-    window_start = min(r.start for r in slow)
-    window_end = min(r.end for r in slow)
-    # While the slow calls ran, the other trajectories generated and ran their own calls.
-    turns_meanwhile = [c for c in generator.calls if window_start < c[2] < window_end]
-    fast_calls_meanwhile = [
-        r for r in recorder.calls if "sleep" not in r.code and window_start < r.end < window_end
-    ]
-    assert len(turns_meanwhile) >= 150, len(turns_meanwhile)
-    assert len(fast_calls_meanwhile) >= 150, len(fast_calls_meanwhile)
+    assert set(finished[-2:]) == slow_ids  # the slow two answered last
     assert generator.max_active >= 150  # trajectories really were in flight together
-    finished_fast = [t for t in trajectories if t.id not in slow_ids]
-    assert all(t.tool_calls[0].response == str(len(t.id) * 2) for t in finished_fast)
-    assert wall < 15
+    fast = [t for t in trajectories if t.id not in slow_ids]
+    assert all(t.tool_calls[0].response == str(len(t.id) * 2) for t in fast)
+    slow = [t for t in trajectories if t.id in slow_ids]
+    assert all(t.tool_calls[0].response == "slow" for t in slow)
 
 
 class FakeTools:
@@ -485,15 +503,11 @@ async def test_thousands_of_trajectories_as_coroutines() -> None:
     tools = FakeTools()
     loop = AgentLoop(generator, tools, chat_tokenizer(), RolloutConfig(max_concurrency=4096))
     problems = [Problem(f"q{i}", "?", "1") for i in range(500)]
-    started = time.monotonic()
     trajectories = await loop.run_many(problems, samples=4)
-    wall = time.monotonic() - started
     assert len(trajectories) == 2000
     assert all(t.finish_reason == ANSWERED and t.num_tool_calls == 2 for t in trajectories)
     assert generator.max_active >= 1000
     assert tools.max_in_flight >= 400  # the slow calls of 500 trajectories overlapped
-    # 3 turns x 0.05 s + 2 calls (<= 0.5 s each) per trajectory, all overlapping.
-    assert wall < 20, wall
 
 
 async def test_batch_executor_batches_calls(sandbox: ThreadedServer) -> None:
