@@ -5,9 +5,9 @@
 #   * kube-apiserver, kube-controller-manager, kube-scheduler and kubelet built from Debian's
 #     `kubernetes` source package (the full upstream tree with vendor/), with the vendored
 #     modern-go/reflect2 replaced by Debian's 1.0.2 (1.0.1 crashes under Go >= 1.18), and the
-#     kubelet given two test-only switches (patches/kubelet-test-switches.patch: kernel
-#     tunables check -> warning, negative oom_score_adj -> 0; each off unless its environment
-#     variable is 1);
+#     kubelet given test-only switches (patches/kubelet-*.patch: kernel tunables check ->
+#     warning, negative oom_score_adj -> 0, loopback node IP accepted; each off unless its
+#     KUBESTAR_KUBELET_* environment variable is 1);
 #   * for a node (e2e/local/node.sh): Debian's docker.io (dockerd 20.10, which the 1.20 kubelet
 #     drives through its built-in dockershim), debootstrap (images, e2e/images/build.sh), and
 #     the pause binary built static from the same tree (node.sh imports it into its dockerd as
@@ -29,13 +29,15 @@ CACHE="${KUBESTAR_K8S_CACHE:-$HOME/.cache/kubestar/k8s-$K8S_VERSION}"
 BIN="$CACHE/bin"
 COMPONENTS=(kube-apiserver kube-controller-manager kube-scheduler kubelet)
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-KUBELET_PATCH="$HERE/patches/kubelet-test-switches.patch"
+# Test-only kubelet switches (each off unless its KUBESTAR_KUBELET_* variable is 1).
+KUBELET_PATCHES=("$HERE"/patches/kubelet-*.patch)
 # What the build changes in the vendored tree; binaries built by another recipe are rebuilt
 # (incrementally: the Go build cache stays in the source tree's _output).
-RECIPE="reflect2-1.0.2+json-iterator-1.1.12+openapi-nil-check+kubelet-test-switches-1"
+# The patches' own hash is part of it: editing a patch rebuilds.
+RECIPE="reflect2-1.0.2+json-iterator-1.1.12+openapi-nil-check+kubelet-patches-$(cat "${KUBELET_PATCHES[@]}" | sha256sum | cut -c1-12)"
 # Debian packages a node needs (dockerd + containerd + runc, image building, a static C
 # toolchain for pause).
-NODE_PACKAGES=(docker.io debootstrap gcc libc6-dev patch)
+NODE_PACKAGES=(docker.io debootstrap gcc libc6-dev patch rsync)
 # Private apt configuration (deb-src lines derived from the machine's own sources).
 APT_DIR="$CACHE/apt"
 
@@ -161,13 +163,15 @@ PY
             --exclude 'misc_tests' --exclude 'skip_tests' --exclude 'type_tests' \
             --exclude 'any_tests' --exclude 'value_tests' "$jsoniter_src/" "$jsoniter_dst/"
     fi
-    # The kubelet's test-only switches (idempotent: skipped when already applied).
-    if patch -d "$tree" -p1 -R --dry-run -s -f <"$KUBELET_PATCH" >/dev/null 2>&1; then
-        log "kubelet patch already applied"
-    else
-        log "applying $(basename "$KUBELET_PATCH")"
-        patch -d "$tree" -p1 -N -s <"$KUBELET_PATCH"
-    fi
+    # The kubelet's test-only switches (idempotent: a patch already applied is skipped).
+    for kubelet_patch in "${KUBELET_PATCHES[@]}"; do
+        if patch -d "$tree" -p1 -R --dry-run -s -f <"$kubelet_patch" >/dev/null 2>&1; then
+            log "$(basename "$kubelet_patch") already applied"
+        else
+            log "applying $(basename "$kubelet_patch")"
+            patch -d "$tree" -p1 -N -s <"$kubelet_patch"
+        fi
+    done
     whats=()
     for name in "${COMPONENTS[@]}"; do whats+=("cmd/$name"); done
     # The OpenAPI type validator (CRD schemas) treats a value equal to its type's zero value
