@@ -61,6 +61,9 @@ spec:
       dataset: {generator: basic_arithmetic, size: 20, seed: 3}
   trainer: {microBatchSize: 4}
   checkpoint: {everySteps: 2, keep: 5}
+  evaluation:
+    at: [start, end]
+    dataset: {generator: basic_arithmetic, size: 4, seed: 1000}
 """
 
 
@@ -124,3 +127,7 @@ def test_run_crash_and_resume(tmp_path: Path) -> None:
     assert status["phase"] == "Succeeded" and status["step"] == 4
     assert status["lastCheckpoint"].endswith("step-000004")
     assert (tmp_path / "run" / "report" / "report.md").exists()
+    # The initial policy was evaluated once (not again on resume), the final one at the end.
+    evaluations = [(m["point"], m["step"]) for m in metrics(tmp_path) if m["stage"] == "evaluation"]
+    assert evaluations == [("start", 0), ("end", 4)]
+    assert (tmp_path / "run" / "evaluation-end.json").exists()
