@@ -74,8 +74,8 @@ def manifests(args: argparse.Namespace) -> tuple[SandboxPool, RolloutFleet, dict
             "dataset": {"generator": "basic_arithmetic", "size": 500, "seed": 1},
         }
     ]
-    # Checkpoints: the SFT one (step 0) and the last one only.
-    spec["checkpoint"] = {"everySteps": 1_000_000, "keep": 2}
+    # Checkpoints: the SFT one (step 0, the second arm starts from it) and every 5 steps.
+    spec["checkpoint"] = {"everySteps": 5, "keep": 100}
     spec["evaluation"] = {
         "dataset": {"generator": "basic_arithmetic", "size": args.eval_size, "seed": 1000},
         "at": ["start", "sft", "end"],
@@ -202,6 +202,9 @@ def main() -> None:
     parser.add_argument("--arms", default="grpo-roc,grpo")
     parser.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "learning")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--resume", action="store_true", help="continue the arms from their last checkpoints"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -210,7 +213,8 @@ def main() -> None:
     arms = args.arms.split(",")
     if arms[0] != "grpo-roc":
         parser.error("the first arm must be grpo-roc: it makes the SFT checkpoint")
-    shutil.rmtree(args.run_dir, ignore_errors=True)
+    if not args.resume:
+        shutil.rmtree(args.run_dir, ignore_errors=True)
     model_dir = resolve_model(run["spec"]["model"]["name"])
     results: dict[str, dict[str, Any]] = {}
     with LocalStack(pool, fleet, model_dir, args.run_dir / "logs").running() as endpoints:
@@ -221,7 +225,8 @@ def main() -> None:
             if arm != "grpo-roc":
                 # Same start as the first arm: its SFT checkpoint, evaluated there already.
                 sft_checkpoint = args.run_dir / "grpo-roc" / "checkpoints" / "step-000000"
-                shutil.copytree(sft_checkpoint, arm_dir / "checkpoints" / sft_checkpoint.name)
+                if not (arm_dir / "checkpoints").exists():
+                    shutil.copytree(sft_checkpoint, arm_dir / "checkpoints" / sft_checkpoint.name)
                 arm_run["spec"]["evaluation"]["at"] = ["end"]
             results[arm] = summarize(run_arm(arm, arm_run, endpoints, arm_dir, model_dir))
     print_summary(results)

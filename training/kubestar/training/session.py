@@ -126,7 +126,9 @@ class TrainingSession:
         )
         worker: Any = (
             ray.remote(RolloutWorker)
-            .options(num_cpus=0)
+            # A worker lost to a crash (or Ray's memory monitor) is restarted and its call
+            # retried: a rollout batch is redone whole, never half-counted.
+            .options(num_cpus=0, max_restarts=3, max_task_retries=3)
             .remote(
                 self.endpoints.scheduler,
                 self.endpoints.sandbox,
