@@ -192,8 +192,8 @@ def print_summary(results: dict[str, dict[str, Any]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--problems-per-step", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--problems-per-step", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--eval-size", type=int, default=50)
     parser.add_argument("--sft-examples", type=int, default=64)

@@ -288,7 +288,7 @@ class Simulation:
         if self.policy_name == KV_AWARE:
             # Exactly what plan_admissions would admit, cheaper: a turn that needs more than
             # the most free room anywhere is skipped by it anyway (free only shrinks while it
-            # plans), unless it has starved, when it stops the scan; keep those.
+            # plans), unless it has starved, when it holds an engine; keep those.
             most_free = max(s.free_tokens for s in states)
             starved = self.now - self.config.starvation_s
             window = [

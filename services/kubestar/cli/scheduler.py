@@ -59,7 +59,8 @@ def scheduler() -> None:
     "--starvation-seconds",
     default=5.0,
     show_default=True,
-    help="After this long in the queue, a turn that does not fit lets no later turn pass it.",
+    help="After this long in the queue, a turn that does not fit holds the engine closest to "
+    "fitting it (no later turn is admitted there) while the other engines keep admitting.",
 )
 @click.option("--max-attempts", default=4, show_default=True, help="Engines a turn may fail on.")
 @click.option(

@@ -5,6 +5,12 @@ Its development endpoints are switched on (`VLLM_SERVER_DEV_MODE=1`) because the
 pushes new weights through them (see kubestar.engine.client.EngineClient.reload_weights).
 The python that runs vLLM defaults to this one; `KUBESTAR_ENGINE_PYTHON` or
 `EngineSettings.python` may point to another environment that has vLLM installed.
+
+`EngineSettings.cpus` confines an engine to some CPUs (Linux list syntax, e.g. "0" or
+"0-3,8"): the server and every process it spawns get that CPU affinity
+(`os.sched_setaffinity` in the child before exec), and on CPU vLLM binds its OpenMP threads
+to the same CPUs (`VLLM_CPU_OMP_THREADS_BIND`, one thread per listed CPU). Several engines on
+one machine then behave like separate accelerators; without it they share every core.
 """
 
 from __future__ import annotations
@@ -32,6 +38,22 @@ def die_with_parent() -> None:
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
+def parse_cpu_list(text: str) -> list[int]:
+    """CPU ids from Linux list syntax ("0", "0-3,8"); raises ValueError when malformed."""
+    cpus: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        low, high = int(first), int(last or first)
+        if low < 0 or high < low:
+            raise ValueError(f"bad CPU range {part!r} in {text!r}")
+        cpus.update(range(low, high + 1))
+    if not cpus:
+        raise ValueError(f"no CPUs in {text!r}")
+    return sorted(cpus)
+
+
 @dataclass
 class EngineSettings:
     model: str
@@ -49,6 +71,12 @@ class EngineSettings:
     seed: int = 0
     extra_args: list[str] = field(default_factory=list)
     python: str = ""
+    # CPUs the engine is confined to (Linux list syntax, "" = all); see the module docstring.
+    cpus: str = ""
+
+    def __post_init__(self) -> None:
+        if self.cpus:
+            parse_cpu_list(self.cpus)
 
     @property
     def url(self) -> str:
@@ -96,17 +124,32 @@ class EngineSettings:
         if self.device == "cpu":
             if not self.kv_cache_bytes:  # vLLM-CPU lets this override --kv-cache-memory-bytes
                 env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-            # Keep an engine off the other engines' cores when several share a machine.
-            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            if self.cpus:
+                # vLLM's own syntax is the same list syntax; one OpenMP thread per CPU.
+                env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, parse_cpu_list(self.cpus)))
+            else:
+                # vLLM's "auto" binds to a whole NUMA node's cores (all of them on a small
+                # machine); several engines would then fight over the same pinned cores.
+                env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         return env
+
+    def preexec(self) -> None:
+        """Run in the child before exec (see EngineProcess.start)."""
+        die_with_parent()
+        if self.cpus:
+            os.sched_setaffinity(0, parse_cpu_list(self.cpus))
 
 
 class EngineProcess:
     """A running vLLM server started by us; stopped by its PID (process group)."""
 
-    def __init__(self, settings: EngineSettings, log_path: Path | None = None) -> None:
+    def __init__(
+        self, settings: EngineSettings, log_path: Path | None = None, inherit_output: bool = False
+    ) -> None:
         self.settings = settings
         self.log_path = log_path
+        # No log file: vLLM's output goes to ours (a pod's log) or, by default, nowhere.
+        self.inherit_output = inherit_output
         self.process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
@@ -120,10 +163,10 @@ class EngineProcess:
             self.settings.command(),
             env=self.settings.environment(),
             stdin=subprocess.DEVNULL,
-            stdout=self._log or subprocess.DEVNULL,
-            stderr=subprocess.STDOUT,
+            stdout=self._log or (None if self.inherit_output else subprocess.DEVNULL),
+            stderr=subprocess.STDOUT if self._log or not self.inherit_output else None,
             start_new_session=True,
-            preexec_fn=die_with_parent,
+            preexec_fn=self.settings.preexec,
         )
         if wait:
             self.wait_ready(timeout)

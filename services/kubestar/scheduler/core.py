@@ -16,7 +16,8 @@ Interface (what a simulator needs)
   "queue it". `kv_aware` may return None; `least_requests` and `round_robin` never do while
   an engine is admitting (they send at once, as static assignment and upstream verl do).
 * `plan_admissions(queue, engines, policy, now)`: which queued turns go where now, in FIFO
-  order with backfilling and starvation protection; it `reserve`s on the chosen engines.
+  order with backfilling and starvation protection (`soonest_fit`); it `reserve`s on the
+  chosen engines.
 * `reserve(engine, request)` when a turn is sent, `release(engine, reserved, used)` when it
   ends; `check_fits(engines, request)` raises `RequestTooLarge` for a turn no engine can hold.
 
@@ -42,6 +43,12 @@ finished after the last sample still shows in `kv_usage`, so its blocks are subt
 Choice: the engine that holds the trajectory's prefix (its previous turn's engine) while it has
 room; otherwise the engine with the most free tokens (ties: fewer waiting in vLLM, fewer in
 flight, then list order).
+
+Queue: FIFO with backfilling (a turn that does not fit is passed by later ones that do).
+A turn that has waited `starvation_seconds` holds one engine, the one that lacks the fewest
+tokens for it: nothing queued behind it is admitted there, so that engine drains until the
+turn fits, while the other engines keep admitting (stopping every engine would leave them
+idle for nothing). Several starving turns hold one engine each, oldest first.
 """
 
 from __future__ import annotations
@@ -56,8 +63,9 @@ KV_AWARE = "kv-aware"
 LEAST_REQUESTS = "least-requests"
 ROUND_ROBIN = "round-robin"
 
-# After this long in the queue a turn that does not fit stops the turns behind it from
-# being admitted past it, so capacity drains until it fits (a big turn is never starved).
+# After this long in the queue a turn that does not fit holds one engine (the one closest to
+# fitting it): that engine admits nothing behind it and drains until it fits, so a big turn
+# is never starved; the other engines keep admitting.
 DEFAULT_STARVATION_SECONDS = 5.0
 
 
@@ -263,27 +271,88 @@ def plan_admissions(
     """The queued turns to send now and where, reserving for each on its engine.
 
     Turns are considered in queue order; one that does not fit is skipped (later, smaller
-    turns may fill the room left), unless it has waited `starvation_seconds`: then nothing
-    behind it is admitted until it fits.
+    turns may fill the room left), unless it has waited `starvation_seconds`: then it holds
+    the engine closest to fitting it (`soonest_fit`), which admits nothing behind it until
+    it fits there; the other engines keep admitting. Once every engine is held, the scan
+    stops.
     """
     admitted: list[tuple[TurnRequest, EngineState]] = []
-    admitting = [e for e in engines if e.admitting]
-    if not admitting:
+    open_engines = [e for e in engines if e.admitting]
+    if not open_engines:
         return admitted
-    for request in queue:
-        engine = policy(engines, request)
+    # Free tokens per engine, kept current as turns are reserved (computed once: cheap scans).
+    free = {id(e): e.free_tokens for e in open_engines}
+    # kv-aware: a turn needing more tokens than the most free anywhere cannot fit; skipping
+    # it without asking the policy, and stopping once no turn left in the queue can fit (the
+    # holds matter only to this scan), keep a long queue in front of many engines cheap.
+    by_room = policy is kv_aware
+    most_free = _most_free(open_engines, free)
+    smallest_after = _suffix_min_tokens(queue) if by_room else []
+    for index, request in enumerate(queue):
+        if by_room and most_free < smallest_after[index]:
+            break
+        engine = None if by_room and request.tokens > most_free else policy(open_engines, request)
         if engine is None:
             if now - request.enqueued_at >= starvation_seconds:
-                break
+                held = _soonest_fit(open_engines, request, free)
+                if held is not None:
+                    open_engines = [e for e in open_engines if e is not held]
+                    if not open_engines:
+                        break
+                    most_free = _most_free(open_engines, free)
             continue
         reserve(engine, request)
         admitted.append((request, engine))
-        # Nothing more can fit anywhere: stop scanning a long queue.
-        if policy is kv_aware and all(
-            not e.capacity_known or e.free_tokens < e.block_size for e in admitting
-        ):
-            break
+        free[id(engine)] = engine.free_tokens
+        if by_room:
+            most_free = _most_free(open_engines, free)
+            # Nothing more can fit anywhere: stop scanning a long queue.
+            if all(not e.capacity_known or free[id(e)] < e.block_size for e in open_engines):
+                break
     return admitted
+
+
+def soonest_fit(engines: Sequence[EngineState], request: TurnRequest) -> EngineState | None:
+    """The engine to hold for a starving turn: of those that could ever run it, the one that
+    lacks the fewest free tokens (ties: the trajectory's engine, fewer in flight, list order).
+
+    A held engine takes nothing new, so what it lacks only shrinks as its turns finish; the
+    choice moves to another engine only when that one lacks less. The turn therefore fits
+    after a bounded wait however many smaller turns keep arriving.
+    """
+    return _soonest_fit(engines, request, {id(e): e.free_tokens for e in engines})
+
+
+def _soonest_fit(
+    engines: Sequence[EngineState], request: TurnRequest, free: dict[int, int]
+) -> EngineState | None:
+    best: EngineState | None = None
+    best_key: tuple[int, bool, int] | None = None
+    for engine in engines:
+        if not (engine.admitting and engine.capacity_known and engine.can_ever_hold(request)):
+            continue
+        key = (
+            engine.need(request) - free[id(engine)],
+            request.trajectory_id not in engine.trajectories,
+            engine.in_flight,
+        )
+        if best_key is None or key < best_key:  # strict: the first in list order wins ties
+            best, best_key = engine, key
+    return best
+
+
+def _most_free(engines: Sequence[EngineState], free: dict[int, int]) -> int:
+    return max((free[id(e)] for e in engines if e.capacity_known), default=0)
+
+
+def _suffix_min_tokens(queue: Sequence[TurnRequest]) -> list[int]:
+    """[min(r.tokens for r in queue[i:]) for each i] (computed in one pass)."""
+    out = [0] * len(queue)
+    smallest = math.inf
+    for i in range(len(queue) - 1, -1, -1):
+        smallest = min(smallest, queue[i].tokens)
+        out[i] = int(smallest)
+    return out
 
 
 def reserve(engine: EngineState, request: TurnRequest) -> int:
