@@ -246,8 +246,9 @@ async def test_update_weights_waits_for_turns_in_flight_and_holds_new_ones(
     assert after.token_ids != before.token_ids
     assert [f.reloads for f in fakes] == [["/weights/step-7"]] * 2
     assert scheduler.weights_version == 7
-    # Version 0 means "the next one".
+    # No version means "the next one"; an explicit one is kept, 0 included (SFT weights).
     assert (await scheduler.update_weights("/weights/step-8")).version == 8
+    assert (await scheduler.update_weights("/weights/sft", 0)).version == 0
 
 
 async def test_an_engine_added_during_an_update_gets_the_new_weights(

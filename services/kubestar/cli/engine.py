@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -33,6 +34,12 @@ def engine() -> None:
     "--device", type=click.Choice(["cpu", "cuda", "rocm"]), default="cpu", show_default=True
 )
 @click.option("--max-num-seqs", default=64, show_default=True)
+@click.option(
+    "--ready-timeout",
+    default=0.0,
+    help="Exit with an error when vLLM is not serving after this many seconds (0: wait; in "
+    "a pod the kubelet's startup probe decides).",
+)
 @click.option("--print-command", is_flag=True, help="Print the vLLM command and exit.")
 @click.argument("extra_args", nargs=-1, type=click.UNPROCESSED)
 def serve(
@@ -45,6 +52,7 @@ def serve(
     gpu_memory_utilization: float,
     device: str,
     max_num_seqs: int,
+    ready_timeout: float,
     print_command: bool,
     extra_args: tuple[str, ...],
 ) -> None:
@@ -66,23 +74,31 @@ def serve(
     if print_command:
         click.echo(" ".join(settings.command()))
         return
-    process = EngineProcess(settings)
+    # vLLM's output is the engine's log (`kubectl logs`).
+    process = EngineProcess(settings, inherit_output=True)
     process.start(wait=False)
-    stop = False
+
+    class Stop(Exception):
+        pass
 
     def request_stop(*_: object) -> None:
-        nonlocal stop
-        stop = True
+        # Also while vLLM is still starting (a pod deleted before its engine was ready).
+        raise Stop
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    code: int | None = 0
     try:
-        process.wait_ready()
+        process.wait_ready(ready_timeout or math.inf)
         click.echo(f"engine ready at {settings.url} (model {settings.model})", err=True)
-        while not stop and process.process is not None and process.process.poll() is None:
+        while process.process is not None and process.process.poll() is None:
             time.sleep(0.5)
-    finally:
         code = process.process.poll() if process.process else 0
+    except Stop:
+        code = 0
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         process.stop()
     sys.exit(code or 0)
 

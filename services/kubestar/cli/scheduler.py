@@ -166,7 +166,7 @@ def remove_engine_command(endpoint: str, name: str) -> None:
 @scheduler.command("update-weights")
 @endpoint_option
 @click.argument("weights_path")
-@click.option("--version", default=0, help="Weights version (0: the next one).")
-def update_weights_command(endpoint: str, weights_path: str, version: int) -> None:
+@click.option("--version", type=int, default=None, help="Weights version (default: the next one).")
+def update_weights_command(endpoint: str, weights_path: str, version: int | None) -> None:
     """Make every engine load the weights in WEIGHTS_PATH (a Hugging Face folder)."""
     _echo(_call(endpoint, lambda c: c.update_weights(weights_path, version)))

@@ -78,9 +78,9 @@ class SchedulerClient:
         return response
 
     async def update_weights(
-        self, weights_path: str, version: int = 0, timeout: float | None = None
+        self, weights_path: str, version: int | None = None, timeout: float | None = None
     ) -> pb.UpdateWeightsResponse:
-        """Every engine loads the weights in `weights_path`; `version` 0 means "next"."""
+        """Every engine loads the weights in `weights_path`; no `version` means "next"."""
         response: pb.UpdateWeightsResponse = await self.stub.UpdateWeights(
             pb.UpdateWeightsRequest(weights_path=weights_path, version=version), timeout=timeout
         )

@@ -643,7 +643,9 @@ class Scheduler:
 
     # ---- weights and status ----------------------------------------------------------------
 
-    async def update_weights(self, weights_path: str, version: int = 0) -> pb.UpdateWeightsResponse:
+    async def update_weights(
+        self, weights_path: str, version: int | None = None
+    ) -> pb.UpdateWeightsResponse:
         """Stop admitting, let turns in flight finish, reload every engine, resume."""
         if not weights_path:
             raise TurnRejected("weights_path is empty")
@@ -658,7 +660,7 @@ class Scheduler:
                 targets = [e for e in self._engines.values() if e.state.admitting]
                 if not targets:
                     raise NoEngineAvailable(self._no_engine_message())
-                new_version = version or self._weights_version + 1
+                new_version = self._weights_version + 1 if version is None else version
                 started = time.monotonic()
                 results = await asyncio.gather(
                     *(e.client.reload_weights(weights_path) for e in targets),

@@ -118,7 +118,8 @@ class RolloutSchedulerServicer(pb_grpc.RolloutSchedulerServiceServicer):
         self, request: pb.UpdateWeightsRequest, context: grpc.aio.ServicerContext
     ) -> pb.UpdateWeightsResponse:
         try:
-            return await self.scheduler.update_weights(request.weights_path, request.version)
+            version = request.version if request.HasField("version") else None
+            return await self.scheduler.update_weights(request.weights_path, version)
         except SchedulerError as error:
             await self._abort(context, error)
             raise
