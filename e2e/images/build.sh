@@ -276,11 +276,14 @@ if [[ "$(image_label "$IMAGE" dev.kubestar.content-key)" == "$key" ]]; then
 fi
 [[ "$(image_label "$BASE_IMAGE:$base" dev.kubestar.base-key)" == "$base" ]] || import_base "$base"
 build_sources "$base" "$key"
-# Older bases and the images they left untagged go: each is gigabytes. (Our own dockerd;
-# an image a container still uses stays.)
+# Older bases and the images they left untagged go: each is gigabytes. (An image a
+# container still uses stays.)
 for old in $(docker_cli image ls "$BASE_IMAGE" --format '{{.Tag}}'); do
     [[ "$old" == "$base" ]] || docker_cli image rm "$BASE_IMAGE:$old" >/dev/null 2>&1 || true
 done
-docker_cli image prune --force >/dev/null 2>&1 || true
+# Dangling images are pruned only in the node's own dockerd, never in a shared Docker (kind).
+if [[ "$DOCKER_HOST" == "unix://$CLUSTER_DIR/docker.sock" ]]; then
+    docker_cli image prune --force >/dev/null 2>&1 || true
+fi
 size="$(docker_cli image inspect "$IMAGE" --format '{{.Size}}')"
 log "$IMAGE (key $key, base $BASE_IMAGE:$base) ready in $((SECONDS - started)) s, $((size / 1000000)) MB"

@@ -327,6 +327,19 @@ remove_pod_logs() {
         ((ours)) && find "$dir" -mindepth 2 -maxdepth 2 -print -quit | grep -q . \
             && rm -rf "${dir%/}"
     done
+    # Pods deleted just before the stop: the kubelet removed their containers' links but not
+    # yet their (now empty) folders. Those that appeared while this node ran (not in the
+    # listing taken at its start) and hold nothing but empty folders are ours.
+    local before="$DIR/run/pod-logs-before"
+    if [[ -f "$before" ]]; then
+        for dir in /var/log/pods/*/; do
+            [[ -d "$dir" ]] || continue
+            grep -qxF "$(basename "$dir")" "$before" && continue
+            find "$dir" -mindepth 1 ! -type d -print -quit | grep -q . && continue
+            rm -rf "${dir%/}"
+        done
+        rm -f "$before"
+    fi
     return 0
 }
 
@@ -348,6 +361,8 @@ start() {
     mkdir -p "$DIR/run" "$DIR/logs"
     local started=$SECONDS since
     since="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    # What /var/log/pods (a fixed path in 1.20) held before this node ran: stop leaves it so.
+    [[ -f "$DIR/run/pod-logs-before" ]] || ls -1 /var/log/pods 2>/dev/null >"$DIR/run/pod-logs-before" || true
     start_dockerd
     load_pause
     start_kubelet

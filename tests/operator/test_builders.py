@@ -143,6 +143,8 @@ def test_engines_by_accelerator(accelerator: str, resource: str | None, image: s
         assert "resources" not in engine or not engine["resources"].get("limits")
         assert command[:3] == ["kubestar", "engine", "serve"]
         assert "--device" in command and command[command.index("--device") + 1] == "cpu"
+        # Eager only: no torch.compile at run time (no C++ compiler in the engine image).
+        assert env["TORCHDYNAMO_DISABLE"] == "1"
 
 
 def test_model_from_a_pvc() -> None:
@@ -284,3 +286,105 @@ def test_trainer_patch_carries_only_trainer_fields() -> None:
     assert "conditions" not in body and "observedGeneration" not in body
     pending = contract.trainer_patch(TrainingRunStatus(phase="Pending"))["status"]
     assert "phase" not in pending
+
+
+def _flag(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
+def test_children_listen_on_the_bind_address() -> None:
+    # Default: every interface of the pod (pod networking).
+    pool, fleet = parent("SandboxPool", "pool"), parent("RolloutFleet", "f")
+    default = OperatorSettings()
+    worker = containers(build_sandbox.worker_statefulset(pool, SandboxPoolSpec(), default))[0]
+    assert _flag(worker["command"], "--listen") == "0.0.0.0:50052"
+    # hostNetwork on a node whose address is 127.0.0.1: nothing may listen beyond loopback.
+    settings = OperatorSettings.model_validate(
+        {"network": {"hostNetwork": True, "bindAddress": "127.0.0.1"}}
+    )
+    assert settings.network.loopback_only and not default.network.loopback_only
+    body, spec, fleet_spec, pool_spec = tiny_run()
+    commands = [
+        containers(build_sandbox.worker_statefulset(pool, pool_spec, settings))[0]["command"],
+        containers(build_sandbox.dispatcher_deployment(pool, pool_spec, settings))[0]["command"],
+        containers(build_fleet.scheduler_deployment(fleet, fleet_spec, settings))[0]["command"],
+    ]
+    for command in commands:
+        assert _flag(command, "--listen").startswith("127.0.0.1:")
+        assert _flag(command, "--metrics-address") == "127.0.0.1"
+    for accelerator in ("cpu", "amd"):
+        engine_spec = fleet_spec.model_copy(update={"accelerator": accelerator})
+        engine = containers(build_fleet.engine_deployment(fleet, engine_spec, settings))[0]
+        assert _flag(engine["command"], "--host") == "127.0.0.1"
+    job = build_trainer.job(body, spec, fleet_spec, pool_spec, settings)
+    env = {e["name"]: e["value"] for e in containers(job)[0]["env"]}
+    # Ray (local, in the trainer pod) takes the loopback address as the node's.
+    assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+    default_job = build_trainer.job(body, spec, fleet_spec, pool_spec, default)
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in {
+        e["name"] for e in containers(default_job)[0]["env"]
+    }
+    ipv6 = OperatorSettings.model_validate({"network": {"bindAddress": "::1"}})
+    dispatcher = build_sandbox.dispatcher_deployment(pool, pool_spec, ipv6)
+    assert _flag(containers(dispatcher)[0]["command"], "--listen") == "[::1]:50051"
+
+
+def test_shared_checkpoints_reach_the_engines() -> None:
+    body, spec, fleet_spec, pool_spec = tiny_run()
+    fleet = parent("RolloutFleet", "tiny-fleet")
+    # Without a shared volume: the run's own emptyDir; engines mount nothing of it.
+    job = build_trainer.job(body, spec, fleet_spec, pool_spec, OperatorSettings())
+    volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["checkpoints"] == {"name": "checkpoints", "emptyDir": {}}
+    engine = build_fleet.engine_deployment(fleet, fleet_spec, OperatorSettings())
+    assert "checkpoints" not in {v["name"] for v in engine["spec"]["template"]["spec"]["volumes"]}
+
+    settings = OperatorSettings.model_validate(
+        {"trainer": {"sharedCheckpoints": {"hostPath": "/srv/kubestar"}}}
+    )
+    job = build_trainer.job(body, spec, fleet_spec, pool_spec, settings)
+    pod = job["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["checkpoints"]["hostPath"] == {"path": "/srv/kubestar", "type": "Directory"}
+    (trainer,) = pod["containers"]
+    mounts = {m["name"]: m for m in trainer["volumeMounts"]}
+    assert mounts["checkpoints"]["mountPath"] == "/var/lib/kubestar/checkpoints"
+    env = contract.TrainerEnvironment.from_env({e["name"]: e["value"] for e in trainer["env"]})
+    # A folder per run on the shared volume, below the path the engines mount it at.
+    assert env.checkpoint_dir == "/var/lib/kubestar/checkpoints/team/tiny-cpu"
+    engine_pod = build_fleet.engine_deployment(fleet, fleet_spec, settings)["spec"]["template"][
+        "spec"
+    ]
+    (engine,) = engine_pod["containers"]
+    engine_mounts = {m["name"]: m for m in engine["volumeMounts"]}
+    assert engine_mounts["checkpoints"] == {
+        "name": "checkpoints",
+        "mountPath": "/var/lib/kubestar/checkpoints",
+        "readOnly": True,
+    }
+    assert {v["name"]: v for v in engine_pod["volumes"]}["checkpoints"]["hostPath"]["path"] == (
+        "/srv/kubestar"
+    )
+
+    # A ReadWriteMany claim instead; engines mount it read-only.
+    settings = OperatorSettings.model_validate(
+        {"trainer": {"sharedCheckpoints": {"pvcClaimName": "weights"}}}
+    )
+    engine_pod = build_fleet.engine_deployment(fleet, fleet_spec, settings)["spec"]["template"][
+        "spec"
+    ]
+    assert {v["name"]: v for v in engine_pod["volumes"]}["checkpoints"] == {
+        "name": "checkpoints",
+        "persistentVolumeClaim": {"claimName": "weights", "readOnly": True},
+    }
+    # A run with its own checkpoint PVC keeps it (and its own path).
+    own = spec.model_copy(
+        update={"checkpoint": spec.checkpoint.model_copy(update={"pvc_claim_name": "mine"})}
+    )
+    job = build_trainer.job(body, own, fleet_spec, pool_spec, settings)
+    volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["checkpoints"]["persistentVolumeClaim"] == {"claimName": "mine"}
+    with pytest.raises(ValueError, match="at most one"):
+        OperatorSettings.model_validate(
+            {"trainer": {"sharedCheckpoints": {"pvcClaimName": "a", "hostPath": "/b"}}}
+        )

@@ -39,6 +39,13 @@ def test_image_pull_backoff_is_named() -> None:
     reason, message = cond.summarize(problems)
     assert reason == "ImagePullBackOff"
     assert message == 'pod p: ImagePullBackOff: container main: Back-off pulling image "nope:1"'
+    # A pull error that names only the registry gets the image from the container's status.
+    status = waiting("ErrImagePull", 'Get "http://127.0.0.1:9/v2/": connection refused')
+    status["image"] = "127.0.0.1:9/team/engine:1"
+    (problem,) = cond.diagnose([pod("p", containerStatuses=[status])])
+    assert problem.message.startswith("container main (image 127.0.0.1:9/team/engine:1): Get "), (
+        problem.message
+    )
 
 
 def test_crash_loop_reports_the_last_exit() -> None:

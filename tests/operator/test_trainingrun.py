@@ -260,3 +260,60 @@ def test_several_workers_with_kuberay_make_a_ray_job(
         wait_phase(cluster, namespace, "ray", "Succeeded")
     finally:
         cluster.kubectl("delete", "crd", "rayjobs.ray.io", "--wait=true", check=False)
+
+
+def test_a_new_run_ignores_the_trainer_job_of_an_earlier_one(
+    cluster: LocalCluster, operator: OperatorProcess, kubelet: FakeKubelet, namespace: str
+) -> None:
+    """A run deleted and created again under the same name: the earlier run's failed trainer
+    Job, not yet garbage-collected, neither fails the new run nor passes for its trainer."""
+    api = cluster.api()
+    jobs = apis("batch/v1", namespace, "jobs")
+    labels = {INSTANCE: "tiny-cpu", COMPONENT: "trainer", "kubestar.dev/owner-kind": "TrainingRun"}
+    api.create(
+        jobs,
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": "tiny-cpu-trainer", "labels": labels},
+            "spec": {
+                "backoffLimit": 0,
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "restartPolicy": "Never",
+                        "containers": [{"name": "trainer", "image": "kubestar:0.1.0"}],
+                    },
+                },
+            },
+        },
+    )
+    api.merge_patch(
+        f"{jobs}/tiny-cpu-trainer/status",
+        {
+            "status": {
+                "conditions": [
+                    {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}
+                ]
+            }
+        },
+    )
+    run = api.create(kubestar(namespace, "trainingruns"), example("TrainingRun"))
+    api.create(kubestar(namespace, "sandboxpools"), example("SandboxPool"))
+    api.create(kubestar(namespace, "rolloutfleets"), example("RolloutFleet"))
+    ready_dependencies(kubelet, namespace)
+    path = kubestar(namespace, "trainingruns", "tiny-cpu")
+    conflict = wait_condition(cluster, path, "TrainerReady", "False", "ChildConflict")
+    assert "not owned by TrainingRun tiny-cpu" in conflict["message"]
+    assert phase(cluster, namespace, "tiny-cpu") == "Provisioning"
+    # Once the old Job is gone, this run's own trainer starts.
+    api.delete(f"{jobs}/tiny-cpu-trainer")
+
+    def own_job() -> dict[str, Any] | None:
+        job = api.get(f"{jobs}/tiny-cpu-trainer")
+        return job if job is not None and owned_by(job, run) else None
+
+    job = wait_for("the run's own trainer Job", own_job, timeout=60)
+    assert not (job.get("status") or {}).get("conditions")
+    wait_condition(cluster, path, "TrainerReady", "False", "Starting")
+    assert phase(cluster, namespace, "tiny-cpu") == "Provisioning"

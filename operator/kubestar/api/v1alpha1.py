@@ -241,9 +241,7 @@ class TrainingMetrics(Spec):
     step_seconds: float | None = None
 
 
-Phase = Literal[
-    "Pending", "Provisioning", "Evaluating", "SFT", "Training", "Succeeded", "Failed"
-]
+Phase = Literal["Pending", "Provisioning", "Evaluating", "SFT", "Training", "Succeeded", "Failed"]
 
 
 class TrainingRunStatus(Spec):

@@ -65,7 +65,7 @@ def engine_image(spec: RolloutFleetSpec, settings: OperatorSettings) -> str:
     }[spec.accelerator]
 
 
-def engine_command(spec: RolloutFleetSpec) -> list[str]:
+def engine_command(spec: RolloutFleetSpec, bind_address: str = "0.0.0.0") -> list[str]:
     engine = spec.engine
     if spec.accelerator == "cpu":
         command = [
@@ -75,7 +75,7 @@ def engine_command(spec: RolloutFleetSpec) -> list[str]:
             "--model",
             model_argument(spec),
             "--host",
-            "0.0.0.0",
+            bind_address,
             "--port",
             str(engine.port),
             "--device",
@@ -90,7 +90,7 @@ def engine_command(spec: RolloutFleetSpec) -> list[str]:
         return command + (["--", *engine.extra_args] if engine.extra_args else [])
     settings = EngineSettings(
         model=model_argument(spec),
-        host="0.0.0.0",
+        host=bind_address,
         port=engine.port,
         max_model_len=engine.max_model_len,
         kv_cache_bytes=engine.kv_cache_bytes,
@@ -115,6 +115,10 @@ def engine_env(spec: RolloutFleetSpec) -> dict[str, str]:
     if spec.accelerator == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
         env["HOME"] = "/tmp"
+        # The engine runs eagerly (--enforce-eager), but vLLM's sampler still torch.compiles
+        # a helper the first time logprobs are asked for, which needs a C++ compiler in the
+        # image (a slim engine image has none: the engine died on the first rollout).
+        env["TORCHDYNAMO_DISABLE"] = "1"
     return env
 
 
@@ -152,7 +156,7 @@ def engine_deployment(
         "name": "engine",
         "image": engine_image(spec, settings),
         "imagePullPolicy": settings.images.pull_policy,
-        "command": engine_command(spec),
+        "command": engine_command(spec, settings.network.bind_address),
         "env": o.env_list(engine_env(spec)),
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         "resources": engine_resources(spec),
@@ -187,6 +191,18 @@ def engine_deployment(
                 },
             }
         )
+    shared = settings.trainer.shared_checkpoints
+    if shared.enabled:
+        # The weights each trainer pushes are read from the trainer's checkpoint volume, at
+        # the path the trainer wrote them to.
+        container["volumeMounts"].append(
+            {
+                "name": "checkpoints",
+                "mountPath": settings.trainer.checkpoint_dir,
+                "readOnly": True,
+            }
+        )
+        volumes.append(shared.volume("checkpoints", read_only=True))
     if settings.network.host_network:
         container["ports"][0]["hostPort"] = port
     pod: o.Obj = {
@@ -284,7 +300,7 @@ def scheduler_deployment(
             "scheduler",
             "serve",
             "--listen",
-            f"0.0.0.0:{port}",
+            o.listen_address(settings.network.bind_address, port),
             "--policy",
             spec.scheduler.policy,
             "--poll-interval",
@@ -300,7 +316,7 @@ def scheduler_deployment(
             "--metrics-port",
             str(metrics),
             "--metrics-address",
-            "0.0.0.0",
+            settings.network.bind_address,
         ],
         "env": o.env_list({"PYTHONUNBUFFERED": "1", "HOME": "/tmp", **_api_server_env(settings)}),
         "ports": [

@@ -115,9 +115,10 @@ def worker_statefulset(
     name = pool["metadata"]["name"]
     port = worker_port(spec)
     metrics = settings.ports.sandbox_worker_metrics
+    bind = settings.network.bind_address
     args = [
         "--listen",
-        f"0.0.0.0:{port}",
+        o.listen_address(bind, port),
         "--executors",
         str(spec.executors_per_pod),
         "--preload",
@@ -127,7 +128,7 @@ def worker_statefulset(
         "--metrics-port",
         str(metrics),
         "--metrics-address",
-        "0.0.0.0",
+        bind,
     ]
     container = _container("worker", spec, settings, args, port, metrics)
     container["resources"] = o.resources(spec.resources.requests, spec.resources.limits)
@@ -181,7 +182,8 @@ def dispatcher_deployment(
     meta = pool["metadata"]
     name = meta["name"]
     metrics = settings.ports.sandbox_dispatcher_metrics
-    args = ["--listen", f"0.0.0.0:{spec.port}"]
+    bind = settings.network.bind_address
+    args = ["--listen", o.listen_address(bind, spec.port)]
     for address in worker_addresses(name, meta.get("namespace", "default"), spec, settings):
         args += ["--worker", address]
     args += [
@@ -190,7 +192,7 @@ def dispatcher_deployment(
         "--metrics-port",
         str(metrics),
         "--metrics-address",
-        "0.0.0.0",
+        bind,
     ]
     container = _container("dispatcher", spec, settings, args, spec.port, metrics)
     container["resources"] = {"requests": {"cpu": "100m", "memory": "128Mi"}}

@@ -115,6 +115,26 @@ def role_binding(run: Mapping[str, Any]) -> o.Obj:
     )
 
 
+def shares_checkpoints(spec: TrainingRunSpec, settings: OperatorSettings) -> bool:
+    """The run checkpoints to the volume its fleet's engines mount (not to its own PVC)."""
+    return settings.trainer.shared_checkpoints.enabled and not spec.checkpoint.pvc_claim_name
+
+
+def checkpoint_dir(
+    run: Mapping[str, Any], spec: TrainingRunSpec, settings: OperatorSettings
+) -> str:
+    """Where the trainer checkpoints (and writes the weights it pushes to the engines).
+
+    On the shared volume: a folder per run below trainer.checkpointDir, the path at which
+    the engines mount that volume too. Otherwise spec.checkpoint.path or checkpointDir, on
+    the run's own volume."""
+    if shares_checkpoints(spec, settings):
+        meta = run["metadata"]
+        base = settings.trainer.checkpoint_dir.rstrip("/")
+        return f"{base}/{meta.get('namespace', 'default')}/{meta['name']}"
+    return spec.checkpoint.path or settings.trainer.checkpoint_dir
+
+
 def trainer_env(
     run: Mapping[str, Any],
     spec: TrainingRunSpec,
@@ -136,12 +156,16 @@ def trainer_env(
             spec.sandbox_pool_ref.name, namespace, pool, settings
         ),
         c.ENV_SANDBOX_LIMITS: json.dumps(pool.limits.model_dump(by_alias=True), sort_keys=True),
-        c.ENV_CHECKPOINT_DIR: spec.checkpoint.path or settings.trainer.checkpoint_dir,
+        c.ENV_CHECKPOINT_DIR: checkpoint_dir(run, spec, settings),
         c.ENV_RAY_ADDRESS: ray_address or spec.trainer.ray_address,
         c.ENV_WORKERS: str(spec.trainer.workers),
         "PYTHONUNBUFFERED": "1",
         "HOME": "/tmp",
     }
+    if settings.network.loopback_only and not (ray_address or spec.trainer.ray_address):
+        # Local Ray on the node's loopback only: with this, Ray takes 127.0.0.1 as the
+        # node's address (GCS, raylet, workers bind it) instead of the first interface.
+        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     if settings.network.api_server_host:
         env["KUBERNETES_SERVICE_HOST"] = settings.network.api_server_host
         env["KUBERNETES_SERVICE_PORT"] = str(settings.network.api_server_port)
@@ -156,12 +180,19 @@ def _pod_spec(
     command: list[str],
 ) -> o.Obj:
     name = run["metadata"]["name"]
-    checkpoint_dir = env[c.ENV_CHECKPOINT_DIR]
-    checkpoints: o.Obj = (
-        {"persistentVolumeClaim": {"claimName": spec.checkpoint.pvc_claim_name}}
-        if spec.checkpoint.pvc_claim_name
-        else {"emptyDir": {}}
-    )
+    if shares_checkpoints(spec, settings):
+        mount_path = settings.trainer.checkpoint_dir
+        checkpoints: o.Obj = settings.trainer.shared_checkpoints.volume("checkpoints")
+    else:
+        mount_path = env[c.ENV_CHECKPOINT_DIR]
+        checkpoints = {
+            "name": "checkpoints",
+            **(
+                {"persistentVolumeClaim": {"claimName": spec.checkpoint.pvc_claim_name}}
+                if spec.checkpoint.pvc_claim_name
+                else {"emptyDir": {}}
+            ),
+        }
     container: o.Obj = {
         "name": "trainer",
         "image": spec.trainer.image or settings.images.kubestar,
@@ -171,7 +202,7 @@ def _pod_spec(
         "resources": o.resources(spec.trainer.resources.requests, spec.trainer.resources.limits),
         "volumeMounts": [
             {"name": "config", "mountPath": c.CONFIG_DIR, "readOnly": True},
-            {"name": "checkpoints", "mountPath": checkpoint_dir},
+            {"name": "checkpoints", "mountPath": mount_path},
             {"name": "tmp", "mountPath": "/tmp"},
             {"name": "shm", "mountPath": "/dev/shm"},
         ],
@@ -189,7 +220,7 @@ def _pod_spec(
         "containers": [container],
         "volumes": [
             {"name": "config", "configMap": {"name": config_name(name)}},
-            {"name": "checkpoints", **checkpoints},
+            checkpoints,
             {"name": "tmp", "emptyDir": {}},
             {"name": "shm", "emptyDir": {"medium": "Memory"}},
         ],
@@ -271,7 +302,7 @@ def ray_job(
                 "shutdownAfterJobFinishes": True,
                 "rayClusterSpec": {
                     "headGroupSpec": {
-                        "rayStartParams": {"dashboard-host": "0.0.0.0"},
+                        "rayStartParams": {"dashboard-host": settings.network.bind_address},
                         "template": {"metadata": {"labels": labels}, "spec": head},
                     },
                     "workerGroupSpecs": [

@@ -20,6 +20,7 @@ STUCK_WAITING = {
     "CreateContainerError",
     "RunContainerError",
 }
+IMAGE_REASONS = {"ImagePullBackOff", "ErrImagePull", "ErrImageNeverPull", "InvalidImageName"}
 # Worst first: the reason a condition shows when several pods have problems.
 SEVERITY = [
     "OOMKilled",
@@ -100,9 +101,12 @@ def diagnose_pod(pod: Mapping[str, Any]) -> list[Problem]:
                     f"last exit code {last_terminated.get('exitCode')}"
                     f" ({last_terminated.get('reason', 'Error')}); {message}"
                 )
-            problems.append(
-                Problem(name, waiting["reason"], _short(f"container {cname}: {message}"))
-            )
+            who = f"container {cname}"
+            image = item.get("image") or ""
+            # The runtime's pull error often names only the registry: say which image.
+            if waiting["reason"] in IMAGE_REASONS and image and image not in message:
+                who += f" (image {image})"
+            problems.append(Problem(name, waiting["reason"], _short(f"{who}: {message}")))
         elif terminated and terminated.get("exitCode", 0) != 0:
             problems.append(
                 Problem(

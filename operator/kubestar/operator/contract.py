@@ -13,7 +13,8 @@ with this environment (names are the constants below):
 | KUBESTAR_SCHEDULER_ENDPOINT | HOST:PORT of the fleet's rollout scheduler (gRPC) |
 | KUBESTAR_SANDBOX_ENDPOINT | HOST:PORT of the pool's sandbox dispatcher (gRPC) |
 | KUBESTAR_SANDBOX_LIMITS | JSON of the pool's per-call limits (timeoutSeconds, memoryMib, ...) |
-| KUBESTAR_CHECKPOINT_DIR | where checkpoints go (a PVC when spec.checkpoint.pvcClaimName is set) |
+| KUBESTAR_CHECKPOINT_DIR | where checkpoints go (a PVC when spec.checkpoint.pvcClaimName is set; |
+|   | else checkpointDir/NAMESPACE/NAME on trainer.sharedCheckpoints, mounted by the engines too) |
 | KUBESTAR_RAY_ADDRESS | "" for a local `ray.init()`, "auto" inside a KubeRay RayJob |
 | KUBESTAR_TRAINER_WORKERS | spec.trainer.workers |
 

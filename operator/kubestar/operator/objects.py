@@ -125,5 +125,10 @@ def restricted_container_security(read_only_root: bool = True) -> Obj:
     }
 
 
+def listen_address(host: str, port: int) -> str:
+    """HOST:PORT for a server's listen flag ([HOST]:PORT for an IPv6 address)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def env_list(values: Mapping[str, str]) -> list[Obj]:
     return [{"name": k, "value": v} for k, v in values.items()]

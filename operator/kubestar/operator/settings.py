@@ -5,10 +5,10 @@ with pod networking and the published images."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 
@@ -36,6 +36,14 @@ class Network(_Settings):
     # kube-proxy): given to the scheduler and trainer pods as KUBERNETES_SERVICE_HOST/PORT.
     api_server_host: str = ""
     api_server_port: int = 443
+    # The address the children's servers listen on (sandbox worker and dispatcher, rollout
+    # scheduler, engines, the trainer's Ray). With hostNetwork on a node whose address is
+    # 127.0.0.1, set 127.0.0.1: 0.0.0.0 would then mean every interface of the machine.
+    bind_address: str = "0.0.0.0"
+
+    @property
+    def loopback_only(self) -> bool:
+        return self.bind_address in ("127.0.0.1", "localhost", "::1")
 
 
 class Ports(_Settings):
@@ -51,12 +59,48 @@ class SandboxDefaults(_Settings):
     seccomp_runtime_default: bool = True
 
 
+class SharedCheckpoints(_Settings):
+    """One volume that every trainer and every engine mount at trainer.checkpointDir: the
+    weights a trainer pushes after each step are written there and read by the fleet's
+    engines from the same path. At most one of the two; neither: each trainer keeps its
+    checkpoints in its own volume and engines cannot load pushed weights."""
+
+    # A ReadWriteMany PersistentVolumeClaim of this name in each namespace with runs.
+    pvc_claim_name: str = ""
+    # A directory on the node (single-node clusters: kind, the local e2e cluster). It must
+    # exist and be writable by trainer.runAsUser (e.g. mode 1777).
+    host_path: str = ""
+
+    @model_validator(mode="after")
+    def _one(self) -> SharedCheckpoints:
+        if self.pvc_claim_name and self.host_path:
+            raise ValueError("set at most one of pvcClaimName and hostPath")
+        if self.host_path and not self.host_path.startswith("/"):
+            raise ValueError("hostPath must be an absolute path")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.pvc_claim_name or self.host_path)
+
+    def volume(self, name: str, read_only: bool = False) -> dict[str, Any]:
+        if self.host_path:
+            return {"name": name, "hostPath": {"path": self.host_path, "type": "Directory"}}
+        claim: dict[str, Any] = {"claimName": self.pvc_claim_name}
+        if read_only:
+            claim["readOnly"] = True
+        return {"name": name, "persistentVolumeClaim": claim}
+
+
 class TrainerDefaults(_Settings):
     # Retries of the trainer pod before the Job (and so the run) fails. With a checkpoint
     # PVC a retry resumes; with the default emptyDir it would start over.
     backoff_limit: int = Field(0, ge=0)
     run_as_user: int = 1000
     checkpoint_dir: str = "/var/lib/kubestar/checkpoints"
+    # Shared by trainers and engines (see SharedCheckpoints); each run then checkpoints to
+    # checkpointDir/NAMESPACE/NAME unless its spec.checkpoint.pvcClaimName is set.
+    shared_checkpoints: SharedCheckpoints = Field(default_factory=SharedCheckpoints)
 
 
 class OperatorSettings(_Settings):

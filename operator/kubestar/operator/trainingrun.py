@@ -257,6 +257,14 @@ def decide(
     return Decision(phase, conditions, start)
 
 
+def own(obj: dict[str, Any] | None, owner_uid: str) -> dict[str, Any] | None:
+    """The object if `owner_uid` is among its owners, else None."""
+    if obj is None:
+        return None
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    return obj if any(ref.get("uid") == owner_uid for ref in refs) else None
+
+
 def step_summary(status: Mapping[str, Any]) -> str:
     total = status.get("totalSteps") or 0
     return f"{status.get('step') or 0}/{total}" if total else ""
@@ -291,6 +299,11 @@ async def reconcile(ctx: Context, run: dict[str, Any]) -> None:
         ctx.kube.get(k.path("v1", "ConfigMap", namespace, build_trainer.config_name(name))),
         ctx.kube.get(k.path("batch/v1", "Job", namespace, trainer)),
     )
+    # Children of an earlier run of the same name (deleted, not yet garbage-collected) are
+    # not this run's: its Job's outcome must not end this run. Applying over them is then a
+    # ChildConflict until the garbage collector has removed them.
+    uid = meta.get("uid", "")
+    config, job = own(config, uid), own(job, uid)
     accepted = accepted_spec(config)
     ray_job = None
     version = None
@@ -302,8 +315,11 @@ async def reconcile(ctx: Context, run: dict[str, Any]) -> None:
     if workers > 1:
         version = await ray_version(ctx)
         if version:
-            ray_job = await ctx.kube.get(
-                k.path(f"{build_trainer.RAY_GROUP}/{version}", "RayJob", namespace, trainer)
+            ray_job = own(
+                await ctx.kube.get(
+                    k.path(f"{build_trainer.RAY_GROUP}/{version}", "RayJob", namespace, trainer)
+                ),
+                uid,
             )
     started = job is not None or ray_job is not None
 
@@ -354,6 +370,8 @@ async def reconcile(ctx: Context, run: dict[str, Any]) -> None:
             "KubeRay operator, or set spec.trainer.workers to 1",
         )
     pods = await ctx.pods(run) if started else []
+    if job is not None:  # the Job's own pods (not those of an earlier run's Job)
+        pods = [pod for pod in pods if own(pod, job["metadata"].get("uid", ""))]
     outcome = ray_outcome(ray_job, pods) if ray_job is not None else job_outcome(job, pods)
     decision = decide(phase_now, generation, spec_problem, deps, deps_exist, outcome, blocked)
 

@@ -1,0 +1,528 @@
+"""The user journey, end to end, on a real cluster (see conftest.py for the settings):
+
+helm install -> operator Ready -> kubectl apply a SandboxPool, a RolloutFleet (vLLM on CPU,
+SmolLM2-135M-Instruct) and a small TrainingRun -> watch `kubectl get trainingruns` go
+through its phases with step and metrics in the status -> Succeeded with a checkpoint ->
+delete -> every child garbage-collected -> helm uninstall.
+
+Along the way, while the run is in progress: an invalid TrainingRun is rejected with a
+message naming the field; an image that cannot be pulled shows up as a condition; the
+operator pod is killed and the run still succeeds; a sandbox worker pod is killed in the
+middle of a batch of tool calls and no call is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e.tests.conftest import CHART, MANIFESTS, Settings
+from e2e.tests.kube import Obj, Recorder, Tools, Watch, condition, wait_for
+
+pytestmark = pytest.mark.journey
+
+RUN, FLEET, POOL = "e2e-run", "e2e-fleet", "e2e-sandbox"
+MANAGED = "app.kubernetes.io/managed-by=kubestar-operator"
+CHILD_KINDS = ",".join(
+    [
+        "deployments",
+        "replicasets",
+        "statefulsets",
+        "jobs",
+        "pods",
+        "services",
+        "configmaps",
+        "serviceaccounts",
+        "roles",
+        "rolebindings",
+    ]
+)
+# Where the chart's trainer.checkpointDir puts checkpoints in the trainer pod (its default).
+CHECKPOINT_DIR = "/var/lib/kubestar/checkpoints"
+# An image no node has and no pull can fetch: a registry on a closed local port.
+MISSING_IMAGE = "127.0.0.1:9/kubestar/no-such-image:0"
+
+
+class Journey:
+    """What the steps hand on to each other."""
+
+    watch: Watch | None = None
+    recorder: Recorder | None = None
+    operator_pod: str = ""
+    children: list[str] = []
+
+
+def operator_pods(tools: Tools, settings: Settings) -> list[Obj]:
+    deployment = tools.kubectl_json(
+        "get", "deployment", f"{settings.release}-operator", "-n", settings.system_namespace
+    )
+    selector = ",".join(
+        f"{k}={v}" for k, v in deployment["spec"]["selector"]["matchLabels"].items()
+    )
+    return [
+        pod
+        for pod in tools.items("pods", settings.system_namespace, selector)
+        if not pod["metadata"].get("deletionTimestamp")
+    ]
+
+
+def pod_ready(pod: Obj) -> bool:
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in (pod.get("status") or {}).get("conditions") or []
+    )
+
+
+def run_status(tools: Tools, settings: Settings, name: str = RUN) -> Obj:
+    obj = tools.get("trainingrun", name, settings.namespace)
+    assert obj is not None, f"TrainingRun {name} is gone"
+    status: Obj = obj.get("status") or {}
+    return status
+
+
+def describe(tools: Tools, settings: Settings, *what: str) -> str:
+    done = tools.kubectl_run("describe", *what, "-n", settings.namespace, check=False)
+    return done.stdout[-4000:]
+
+
+def leader_logged(tools: Tools, settings: Settings, pod: str) -> bool:
+    done = tools.kubectl_run("logs", pod, "-n", settings.system_namespace, check=False)
+    return "became leader" in done.stdout
+
+
+# --- the journey ---------------------------------------------------------------------------
+
+
+def test_helm_install_and_operator_ready(tools: Tools, settings: Settings) -> None:
+    started = time.monotonic()
+    out = tools.helm(
+        "install",
+        settings.release,
+        str(CHART),
+        "-n",
+        settings.system_namespace,
+        "--create-namespace",
+        *settings.helm_args,
+        "--wait",
+        "--timeout",
+        "5m",
+    )
+    settings.installed = True
+    (settings.out / "helm-install.txt").write_text(out)
+    for crd in ("trainingruns", "rolloutfleets", "sandboxpools"):
+        tools.kubectl_text(
+            "wait", "--for=condition=Established", f"crd/{crd}.kubestar.dev", "--timeout=60s"
+        )
+    (pod,) = wait_for(
+        "one Ready operator pod",
+        lambda: [p for p in operator_pods(tools, settings) if pod_ready(p)],
+        timeout=180,
+    )
+    name = pod["metadata"]["name"]
+    wait_for(
+        "the operator to become leader",
+        lambda: leader_logged(tools, settings, name),
+        timeout=180,
+        interval=2,
+    )
+    Journey.operator_pod = name
+    settings.notes["helm_install_to_leader_s"] = round(time.monotonic() - started, 1)
+
+
+def test_apply_pool_fleet_and_run(tools: Tools, settings: Settings) -> None:
+    tools.kubectl_run(
+        "create", "namespace", settings.namespace, check=False
+    )  # may exist from an earlier attempt
+    out = tools.kubectl_text(
+        "apply", "-n", settings.namespace, "-f", str(MANIFESTS / "tiny-run.yaml")
+    )
+    (settings.out / "kubectl-apply.txt").write_text(out)
+    assert f"trainingrun.kubestar.dev/{RUN} created" in out, out
+    # What a user watches: recorded line by line for the README.
+    Journey.watch = Watch(
+        tools,
+        ["get", "trainingruns", "-n", settings.namespace, "-w"],
+        settings.out / "kubectl-get-trainingruns-w.txt",
+    )
+    Journey.recorder = Recorder(tools, "trainingrun", RUN, settings.namespace)
+    Journey.recorder.start()
+    # The operator takes it up: conditions and a phase in the status.
+    status = wait_for(
+        "the operator to write the run's status",
+        lambda: (s := run_status(tools, settings)).get("conditions") and s,
+        timeout=120,
+    )
+    assert status["phase"] in ("Pending", "Provisioning", "SFT", "Training")
+    spec_accepted = condition({"status": status}, "SpecAccepted")
+    assert spec_accepted is not None and spec_accepted["status"] == "True"
+
+
+def test_invalid_trainingrun_is_rejected_naming_the_field(tools: Tools, settings: Settings) -> None:
+    bad_group = (MANIFESTS / "invalid-run.yaml").read_text()
+    done = tools.kubectl_run(
+        "apply", "-n", settings.namespace, "-f", "-", input_text=bad_group, check=False
+    )
+    assert done.returncode != 0, f"an invalid TrainingRun was accepted: {done.stdout}"
+    message = done.stderr
+    (settings.out / "invalid-run-rejected.txt").write_text(message)
+    assert "spec.algorithm.groupSize" in message, message
+    assert "greater than or equal to 2" in message, message
+    # A missing required field is named too.
+    no_stages = re.sub(r"(?ms)^  stages:.*?(?=^  \w)", "", bad_group).replace(
+        "groupSize: 1", "groupSize: 2"
+    )
+    done = tools.kubectl_run(
+        "apply", "-n", settings.namespace, "-f", "-", input_text=no_stages, check=False
+    )
+    # (kubectl checks the schema first: `missing required field "stages" in ...spec`.)
+    assert done.returncode != 0, done.stdout
+    assert re.search(
+        r"(spec\.stages|TrainingRun\.spec\): missing required field \"stages\")", done.stderr
+    ), done.stderr
+    (settings.out / "invalid-run-rejected.txt").write_text(message + done.stderr)
+    assert tools.get("trainingrun", "e2e-invalid", settings.namespace) is None
+
+
+def test_image_that_cannot_be_pulled_is_a_condition(tools: Tools, settings: Settings) -> None:
+    text = (MANIFESTS / "broken-image.yaml").read_text().replace("MISSING_IMAGE", MISSING_IMAGE)
+    tools.kubectl_text("apply", "-n", settings.namespace, "-f", "-", input_text=text)
+    try:
+
+        def pull_failure() -> Obj | None:
+            fleet = tools.get("rolloutfleet", "e2e-broken-fleet", settings.namespace)
+            ready = condition(fleet, "Ready")
+            if ready and ready["status"] == "False" and "Image" in ready.get("reason", ""):
+                return ready
+            return None
+
+        ready = wait_for(
+            "the broken fleet's Ready condition to name the image pull",
+            pull_failure,
+            timeout=240,
+            interval=2,
+            describe=lambda: describe(tools, settings, "rolloutfleet/e2e-broken-fleet"),
+        )
+        assert ready["reason"] in ("ErrImagePull", "ImagePullBackOff"), ready
+        assert MISSING_IMAGE in ready["message"], ready
+
+        # The run that needs that fleet says why it waits, instead of hanging silently.
+        def blocked_run_says_why() -> Obj | None:
+            status = run_status(tools, settings, "e2e-blocked-run")
+            deps = condition({"status": status}, "DependenciesReady")
+            return deps if deps and "Image" in deps.get("message", "") else None
+
+        deps = wait_for(
+            "the blocked run's DependenciesReady to carry the pull failure",
+            blocked_run_says_why,
+            timeout=120,
+            interval=2,
+        )
+        assert deps["status"] == "False" and deps["reason"] == "RolloutFleetNotReady", deps
+        assert run_status(tools, settings, "e2e-blocked-run")["phase"] in (
+            "Pending",
+            "Provisioning",
+        )
+        (settings.out / "image-pull-condition.json").write_text(
+            json.dumps({"fleet.Ready": ready, "run.DependenciesReady": deps}, indent=2)
+        )
+    finally:
+        tools.kubectl_run(
+            "delete",
+            "-n",
+            settings.namespace,
+            "-f",
+            "-",
+            "--wait=false",
+            input_text=text,
+            check=False,
+        )
+
+
+def test_operator_killed_mid_run_recovers(tools: Tools, settings: Settings) -> None:
+    assert Journey.recorder is not None
+    wait_for(
+        "the run to reach SFT or Training",
+        lambda: run_status(tools, settings).get("phase") in ("SFT", "Training", "Succeeded"),
+        timeout=settings.run_timeout,
+        interval=2,
+        describe=lambda: json.dumps(run_status(tools, settings), indent=1),
+    )
+    phase = run_status(tools, settings)["phase"]
+    assert phase != "Succeeded", "the run finished before the operator could be killed"
+    (old,) = operator_pods(tools, settings)
+    old_name = old["metadata"]["name"]
+    tools.kubectl_text("delete", "pod", old_name, "-n", settings.system_namespace, "--wait=false")
+    settings.notes["operator_killed_in_phase"] = phase
+    (new,) = wait_for(
+        "a new Ready operator pod",
+        lambda: [
+            p
+            for p in operator_pods(tools, settings)
+            if p["metadata"]["name"] != old_name and pod_ready(p)
+        ],
+        timeout=240,
+        interval=2,
+    )
+    wait_for(
+        "the new operator to become leader",
+        lambda: leader_logged(tools, settings, new["metadata"]["name"]),
+        timeout=180,
+        interval=2,
+    )
+    Journey.operator_pod = new["metadata"]["name"]
+
+
+BATCH = r"""
+import asyncio, json, sys
+from kubestar.sandbox.client import SandboxClient, result_to_dict
+
+async def main() -> None:
+    client = SandboxClient("127.0.0.1:{port}", timeout=600)
+    calls = [f"import time\ntime.sleep(2)\nprint({{i}} * {{i}})" for i in range({calls})]
+    async def one(i, code):
+        return i, await client.aexecute(code)
+    for done in asyncio.as_completed([one(i, c) for i, c in enumerate(calls)]):
+        i, result = await done
+        print(json.dumps({{"i": i, **result_to_dict(result)}}), flush=True)
+    await client.aclose()
+
+asyncio.run(main())
+"""
+
+
+def dispatcher_metrics(tools: Tools, settings: Settings) -> dict[str, float]:
+    script = (
+        "import urllib.request;"
+        "print(urllib.request.urlopen('http://127.0.0.1:9090/metrics', timeout=10).read().decode())"
+    )
+    text = tools.kubectl_text(
+        "exec", "-n", settings.namespace, f"deploy/{POOL}-sandbox", "--", "python", "-c", script
+    )
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.match(
+            r'kubestar_sandbox_(results_total\{status="(\w+)"\}|retries_total) (\S+)', line
+        )
+        if match:
+            key = f"results.{match.group(2)}" if match.group(2) else "retries"
+            values[key] = float(match.group(3))
+    return values
+
+
+def test_sandbox_worker_killed_mid_batch_loses_no_call(tools: Tools, settings: Settings) -> None:
+    wait_for(
+        "the SandboxPool to be Ready",
+        lambda: (
+            (condition(tools.get("sandboxpool", POOL, settings.namespace), "Ready") or {}).get(
+                "status"
+            )
+            == "True"
+        ),
+        timeout=300,
+        interval=2,
+    )
+    calls = 16
+    before = dispatcher_metrics(tools, settings)
+    (worker,) = tools.items(
+        "pods",
+        settings.namespace,
+        f"app.kubernetes.io/instance={POOL}",
+        "app.kubernetes.io/component=sandbox-worker",
+    )
+    worker_uid = worker["metadata"]["uid"]
+    # Tool calls through the dispatcher, run from inside its pod (as the trainer's would come).
+    batch = subprocess.Popen(
+        [
+            tools.kubectl_bin,
+            "exec",
+            "-i",
+            "-n",
+            settings.namespace,
+            f"deploy/{POOL}-sandbox",
+            "--",
+            "python",
+            "-",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert batch.stdin is not None and batch.stdout is not None
+    batch.stdin.write(BATCH.format(port=50051, calls=calls))
+    batch.stdin.close()
+    results: list[dict[str, Any]] = []
+    first = batch.stdout.readline()
+    assert first, f"the batch printed nothing: {batch.stderr.read() if batch.stderr else ''}"
+    results.append(json.loads(first))
+    # Killed while most calls are queued or running on it (1 s grace: no drain to speak of).
+    killed_at = time.monotonic()
+    tools.kubectl_text(
+        "delete",
+        "pod",
+        worker["metadata"]["name"],
+        "-n",
+        settings.namespace,
+        "--grace-period=1",
+        "--wait=false",
+    )
+    for line in batch.stdout:
+        results.append(json.loads(line))
+    code = batch.wait(600)
+    stderr = batch.stderr.read() if batch.stderr else ""
+    settings.notes["sandbox_batch_after_kill_s"] = round(time.monotonic() - killed_at, 1)
+    (settings.out / "sandbox-batch.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in results)
+    )
+    assert code == 0, stderr
+    assert len(results) == calls, results
+    bad = [r for r in results if r["status"] != "ok" or r["stdout"].strip() != str(r["i"] ** 2)]
+    assert not bad, bad
+    # The worker really was replaced, and the dispatcher started lost calls again.
+    (new_worker,) = wait_for(
+        "the replacement worker pod",
+        lambda: [
+            p
+            for p in tools.items(
+                "pods",
+                settings.namespace,
+                f"app.kubernetes.io/instance={POOL}",
+                "app.kubernetes.io/component=sandbox-worker",
+            )
+            if pod_ready(p)
+        ],
+        timeout=300,
+        interval=2,
+    )
+    assert new_worker["metadata"]["uid"] != worker_uid
+    after = dispatcher_metrics(tools, settings)
+    settings.notes["dispatcher_metrics_after_kill"] = after
+    for status in ("internal", "queue_timeout"):
+        assert after.get(f"results.{status}", 0) == before.get(f"results.{status}", 0), after
+
+
+def test_run_succeeds_with_step_metrics_and_checkpoint(tools: Tools, settings: Settings) -> None:
+    recorder = Journey.recorder
+    assert recorder is not None
+
+    def finished() -> Obj | None:
+        status = run_status(tools, settings)
+        return status if status.get("phase") in ("Succeeded", "Failed") else None
+
+    final = wait_for(
+        "the run to finish",
+        finished,
+        timeout=settings.run_timeout,
+        interval=3,
+        describe=lambda: json.dumps(run_status(tools, settings), indent=1),
+    )
+    time.sleep(3)  # the recorder and the watch see the last change too
+    recorder.stop()
+    recorder.dump(settings.out / "trainingrun-statuses.jsonl")
+    assert final["phase"] == "Succeeded", json.dumps(final, indent=1)
+
+    # The phases, in order (Pending may be too short to see).
+    phases = recorder.phases()
+    settings.notes["phases"] = phases
+    expected = ["Provisioning", "SFT", "Training", "Succeeded"]
+    assert [p for p in phases if p in expected] == expected, phases
+    # Step and metrics were in the status while it trained, not just at the end.
+    training = [s for _, s in recorder.statuses if s.get("phase") == "Training" and s.get("step")]
+    assert training, "no status with phase Training and a step was seen"
+    assert any((s.get("metrics") or {}).get("reward") is not None for s in training), training
+    assert all(s.get("totalSteps") == 2 for s in training)
+
+    final = run_status(tools, settings)
+    assert final["step"] == final["totalSteps"] == 2, final
+    assert final["stepSummary"] == "2/2"
+    assert final["progress"] == pytest.approx(1.0)
+    metrics = final["metrics"]
+    for key in ("reward", "accuracy", "meanResponseTokens", "toolErrorRate"):
+        assert metrics.get(key) is not None, metrics
+    checkpoint = final.get("lastCheckpoint", "")
+    assert checkpoint.startswith(f"{CHECKPOINT_DIR}/{settings.namespace}/{RUN}/"), checkpoint
+
+    # The new operator (after the kill) sees the trainer Job complete (the trainer reports
+    # Succeeded itself, just before its pod exits).
+    def trainer_done() -> Obj | None:
+        trainer = condition({"status": run_status(tools, settings)}, "TrainerReady")
+        return trainer if trainer and trainer["reason"] == "Succeeded" else None
+
+    wait_for("TrainerReady to say Succeeded", trainer_done, timeout=120, interval=2)
+    job = tools.kubectl_json("get", "job", f"{RUN}-trainer", "-n", settings.namespace)
+    assert job["status"].get("succeeded") == 1, job["status"]
+    if settings.checkpoint_host_dir is not None:
+        on_host = settings.checkpoint_host_dir / Path(checkpoint).relative_to(CHECKPOINT_DIR)
+        assert on_host.is_dir(), on_host
+        assert any(on_host.rglob("*.safetensors")), sorted(on_host.rglob("*"))
+    # Every tool call of the run (SFT and rollouts) got a result: none was lost.
+    metrics_after = dispatcher_metrics(tools, settings)
+    settings.notes["dispatcher_metrics_end"] = metrics_after
+    assert metrics_after.get("results.internal", 0) == 0, metrics_after
+    assert metrics_after.get("results.queue_timeout", 0) == 0, metrics_after
+
+    watch = Journey.watch
+    assert watch is not None
+    wait_for(
+        "the watch to print Succeeded",
+        lambda: any("Succeeded" in line for line in watch.lines()),
+        timeout=30,
+    )
+    watch.stop()
+    lines = watch.lines()
+    assert lines[0].split()[:4] == ["NAME", "PHASE", "STAGE", "STEP"], lines[:2]
+    assert any(re.search(rf"^{RUN}\s+Training\s+\S+\s+\d/2", line) for line in lines), lines
+
+
+def test_delete_collects_every_child(tools: Tools, settings: Settings) -> None:
+    def children() -> list[str]:
+        items = tools.items(CHILD_KINDS, settings.namespace, MANAGED)
+        return sorted(f"{i['kind']}/{i['metadata']['name']}" for i in items)
+
+    before = children()
+    Journey.children = before
+    (settings.out / "children-before-delete.txt").write_text("\n".join(before) + "\n")
+    kinds = {name.split("/")[0] for name in before}
+    # The run's ConfigMap/RBAC/Job, the fleet's engine and scheduler, the pool's workers and
+    # dispatcher (with their pods and ReplicaSets).
+    assert {"Job", "ConfigMap", "Role", "StatefulSet", "Deployment", "Service"} <= kinds, before
+    tools.kubectl_text(
+        "delete",
+        "trainingrun,rolloutfleet,sandboxpool",
+        "--all",
+        "-n",
+        settings.namespace,
+        "--wait=true",
+        timeout=300,
+    )
+    started = time.monotonic()
+    wait_for(
+        "every child to be garbage-collected",
+        lambda: not children(),
+        timeout=300,
+        interval=2,
+        describe=lambda: "\n".join(children()),
+    )
+    settings.notes["garbage_collection_s"] = round(time.monotonic() - started, 1)
+    assert not tools.items("kubestar", settings.namespace)
+
+
+def test_helm_uninstall(tools: Tools, settings: Settings) -> None:
+    tools.helm("uninstall", settings.release, "-n", settings.system_namespace, "--wait")
+    settings.installed = False
+    releases = json.loads(tools.helm("list", "-n", settings.system_namespace, "-o", "json"))
+    assert releases == []
+    wait_for(
+        "the operator pods to go",
+        lambda: not tools.items("pods", settings.system_namespace),
+        timeout=180,
+        interval=2,
+    )
+    tools.kubectl_text("delete", "namespace", settings.namespace, "--wait=true", timeout=300)
+    (settings.out / "notes.json").write_text(json.dumps(settings.notes, indent=2, default=str))
