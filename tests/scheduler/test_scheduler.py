@@ -170,17 +170,18 @@ async def test_clients_get_an_error_only_when_no_engine_is_left(
 async def test_a_slow_engine_is_not_taken_out_until_it_stays_silent(
     fakes: list[FakeEngine], make_scheduler: MakeScheduler
 ) -> None:
-    scheduler = await make_scheduler(fakes, scrape_timeout=0.05, unresponsive_seconds=1.0)
+    # Margins are wide so that a loaded machine's event-loop lag cannot flip the outcome.
+    scheduler = await make_scheduler(fakes, scrape_timeout=0.05, unresponsive_seconds=4.0)
     fakes[0].metrics_delay = 0.2  # every scrape times out
     await asyncio.sleep(0.6)
     assert scheduler.status().engines[0].healthy  # slow is not dead
-    await wait_for(lambda: not scheduler.status().engines[0].healthy, timeout=5)
+    await wait_for(lambda: not scheduler.status().engines[0].healthy, timeout=15)
     fakes[0].metrics_delay = 0.0
-    await wait_for(lambda: scheduler.status().engines[0].healthy, timeout=5)
+    await wait_for(lambda: scheduler.status().engines[0].healthy, timeout=10)
     await fakes[1].crash()  # refused connections: out after a few scrapes, at once
     started = time.monotonic()
-    await wait_for(lambda: not scheduler.status().engines[1].healthy, timeout=5)
-    assert time.monotonic() - started < 0.5
+    await wait_for(lambda: not scheduler.status().engines[1].healthy, timeout=10)
+    assert time.monotonic() - started < 3.0  # well inside the 4 s a silent engine gets
 
 
 async def test_a_failed_engine_comes_back_with_the_current_weights(
