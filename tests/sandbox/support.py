@@ -301,12 +301,12 @@ def children(pid: int) -> list[int]:
 def zygote_pids(pool: ExecutorPool) -> list[int]:
     """The processes that fork the calls: as root, PID 1 of each executor's namespace."""
     pids: list[int] = []
-    for executor in pool.executors:
-        assert executor.pid is not None
-        if executor.isolation.get("pid_namespace"):
-            pids += children(executor.pid)
+    for process in (process for executor in pool.executors for process in executor.processes):
+        assert process.pid is not None
+        if process.isolation.get("pid_namespace"):
+            pids += children(process.pid)
         else:
-            pids.append(executor.pid)
+            pids.append(process.pid)
     return pids
 
 

@@ -1,4 +1,5 @@
-"""The production configuration: numpy and sympy pre-imported and warmed up in each executor."""
+"""The production configuration: numpy and sympy pre-imported and warmed up in each executor,
+beside a light zygote for calls that need neither."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ from dataclasses import replace
 
 import pytest
 from kubestar.sandbox.client import Call, SandboxClient
-from kubestar.sandbox.executor import ExecutorConfig
+from kubestar.sandbox.executor import Executor, ExecutorConfig
 from kubestar.sandbox.limits import MiB
 from kubestar.sandbox.server import ServerConfig
 from kubestar.v1 import sandbox_pb2 as pb
 
-from tests.sandbox.support import ThreadedServer, next_uid_base
+from tests.sandbox.support import ThreadedServer, next_uid_base, pool_of
 
 pytest.importorskip("numpy")
 pytest.importorskip("sympy")
@@ -57,3 +58,38 @@ def test_memory_limit_is_on_top_of_the_preloaded_modules(default_client: Sandbox
         Call(code="import numpy as np\nx = np.ones(32 * 1024 * 1024)", memory_bytes=64 * MiB)
     )
     assert too_big.status == pb.EXECUTION_STATUS_MEMORY, too_big
+
+
+def test_calls_go_to_the_light_zygote_unless_they_name_a_preloaded_module(
+    default_server: ThreadedServer, default_client: SandboxClient
+) -> None:
+    plain, numeric, computed = default_client.execute_batch(
+        [
+            "print(123 * 456)",
+            "from sympy import Rational\nprint(Rational(1, 3) + Rational(1, 6))",
+            # A computed module name escapes the routing: the light zygote imports it itself.
+            "import importlib\nprint(importlib.import_module('sym' + 'py').Integer(7) ** 2)",
+        ]
+    )
+    assert (plain.status, plain.stdout, plain.executor) == (
+        pb.EXECUTION_STATUS_OK,
+        "56088\n",
+        "worker/executor-0/light",
+    )
+    assert (numeric.stdout, numeric.executor) == ("1/2\n", "worker/executor-0")
+    assert (computed.status, computed.stdout) == (pb.EXECUTION_STATUS_OK, "49\n"), computed
+    assert computed.executor == "worker/executor-0/light"
+    (executor,) = pool_of(default_server).executors
+    assert executor.light is not None
+    assert executor.light.isolation == executor.zygote.isolation  # the same walls
+
+
+def test_routing_matches_whole_module_names() -> None:
+    executor = Executor(0, ExecutorConfig(preload=("numpy", "sympy.core"), pin_cpus=False))
+    assert executor.process_for("import numpy as np").light is False
+    assert executor.process_for("from sympy import symbols").light is False
+    assert executor.process_for("x = 'sympy'").light is False  # any mention: safe side
+    assert executor.process_for("numpyish = 1; print(numpyish)").light is True
+    assert executor.process_for("print(sum(range(10)))").light is True
+    without = Executor(0, ExecutorConfig(light=False, pin_cpus=False))
+    assert without.light is None and without.process_for("print(1)").light is False

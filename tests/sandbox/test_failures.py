@@ -32,11 +32,17 @@ from tests.sandbox.support import (
 OK = pb.EXECUTION_STATUS_OK
 
 
-def slow_calls(count: int, seconds: float = 0.3) -> list[Call]:
+def slow_calls(count: int, seconds: float = 0.3, zygote: str = "light") -> list[Call]:
+    """Calls that sleep; naming a preloaded module (see TEST_PRELOAD) sends them to the
+    executors' preloading zygotes instead of their light ones."""
+    imports = "time" if zygote == "light" else "time, glob"
     return [
-        Call(id=f"call-{i}", code=f"import time\ntime.sleep({seconds})\nprint({i})")
+        Call(id=f"call-{i}", code=f"import {imports}\ntime.sleep({seconds})\nprint({i})")
         for i in range(count)
     ]
+
+
+LIGHT_EXECUTORS = {"worker/executor-0/light", "worker/executor-1/light"}
 
 
 def assert_each_call_answered_once(calls: list[Call], results: list[pb.ExecutionResult]) -> None:
@@ -67,19 +73,21 @@ def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.parametrize("zygote", ["light", "preloaded"])
 @pytest.mark.parametrize("victim", ["executor", "zygote"])
-def test_executor_killed_mid_batch(own_server: ThreadedServer, victim: str) -> None:
+def test_executor_killed_mid_batch(own_server: ThreadedServer, victim: str, zygote: str) -> None:
     pool = pool_of(own_server)
     executor = pool.executors[0]
-    assert executor.pid is not None
+    process = executor.light if zygote == "light" else executor.zygote
+    assert process is not None and process.pid is not None
     if victim == "zygote":
         if not executor.isolation.get("pid_namespace"):
             pytest.skip("the zygote is the executor process itself without a PID namespace")
-        (target,) = children(executor.pid)  # PID 1 of the executor's namespace
+        (target,) = children(process.pid)  # PID 1 of the executor's namespace
     else:
-        target = executor.pid
-    old_pid = executor.pid
-    calls = slow_calls(12)
+        target = process.pid
+    old_pid = process.pid
+    calls = slow_calls(12, zygote=zygote)
     with SandboxClient(own_server.endpoint, timeout=60) as client, ThreadPoolExecutor(1) as bg:
         batch = bg.submit(client.execute_batch, calls)
         wait_for(lambda: pool.in_flight == 2)
@@ -87,27 +95,30 @@ def test_executor_killed_mid_batch(own_server: ThreadedServer, victim: str) -> N
         results = batch.result(timeout=60)
         assert_each_call_answered_once(calls, results)
         assert any(result.attempts == 2 for result in results)  # the killed call ran again
-        assert executor.pid != old_pid  # restarted...
+        assert process.pid != old_pid  # restarted...
         assert not process_alive(old_pid)
-        assert executor.isolation == pool.executors[1].isolation  # ...isolated as before
+        assert process.isolation == pool.executors[1].isolation  # ...isolated as before
         for result in client.execute_batch(["print('still serving')"] * 4):
             assert (result.status, result.stdout) == (OK, "still serving\n")
-        assert {r.executor for r in client.execute_batch(slow_calls(2, 0.2))} == {
-            "worker/executor-0",
-            "worker/executor-1",
-        }
+        assert {r.executor for r in client.execute_batch(slow_calls(2, 0.2))} == LIGHT_EXECUTORS
+        assert {
+            r.executor for r in client.execute_batch(slow_calls(2, 0.2, zygote="preloaded"))
+        } == {"worker/executor-0", "worker/executor-1"}
 
 
 def test_idle_executor_killed(own_server: ThreadedServer) -> None:
     pool = pool_of(own_server)
-    pids = [executor.pid for executor in pool.executors]
+    pids = [process.pid for executor in pool.executors for process in executor.processes]
     for pid in pids:
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
     with SandboxClient(own_server.endpoint, timeout=60) as client:
-        calls = slow_calls(6, 0.05)
-        assert_each_call_answered_once(calls, client.execute_batch(calls))
-    assert all(executor.pid not in pids for executor in pool.executors)
+        for zygote in ("light", "preloaded"):
+            calls = slow_calls(6, 0.05, zygote)
+            assert_each_call_answered_once(calls, client.execute_batch(calls))
+    assert all(
+        process.pid not in pids for executor in pool.executors for process in executor.processes
+    )
 
 
 def test_abandoned_calls_do_not_lose_executors(own_server: ThreadedServer) -> None:
@@ -129,10 +140,7 @@ def test_abandoned_calls_do_not_lose_executors(own_server: ThreadedServer) -> No
         calls = slow_calls(4, 0.2)
         results = client.execute_batch(calls)
         assert_each_call_answered_once(calls, results)
-        assert {result.executor for result in results} == {
-            "worker/executor-0",
-            "worker/executor-1",
-        }
+        assert {result.executor for result in results} == LIGHT_EXECUTORS
 
 
 async def test_cancelled_stream_does_not_lose_executors(own_server: ThreadedServer) -> None:

@@ -35,7 +35,8 @@ OUTPUT_LIMIT = pb.EXECUTION_STATUS_OUTPUT_LIMIT
 
 
 def executor_pids(server: ThreadedServer) -> list[int | None]:
-    return [executor.pid for executor in pool_of(server).executors]
+    """Every zygote process of every executor (preloading and light)."""
+    return [process.pid for executor in pool_of(server).executors for process in executor.processes]
 
 
 def assert_clean(server: ThreadedServer, client: SandboxClient) -> None:

@@ -163,7 +163,7 @@ class TestExecCommand:
         assert result["exit_code"] == 0
         assert result["wall_ms"] > 0
         assert result["attempts"] == 1
-        assert re.fullmatch(r"worker/executor-\d", result["executor"])
+        assert re.fullmatch(r"worker/executor-\d(/light)?", result["executor"])
 
     def test_json_error(self, worker: ServerProcess) -> None:
         done = self.run_cli(worker, "--json", "-", stdin="import sys\nsys.exit(4)\n")

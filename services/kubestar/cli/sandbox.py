@@ -45,6 +45,13 @@ def sandbox() -> None:
     help="Modules every executor imports once, comma-separated.",
 )
 @click.option(
+    "--light/--no-light",
+    default=True,
+    show_default=True,
+    help="Give each executor a light zygote (no preloads) for calls that name none of the "
+    "preloaded modules: about twice the calls per CPU second for plain Python.",
+)
+@click.option(
     "--queue-timeout",
     default=30.0,
     show_default=True,
@@ -72,6 +79,7 @@ def serve_command(
     executors: int,
     workers: tuple[str, ...],
     preload: str,
+    light: bool,
     queue_timeout: float,
     metrics_port: int,
     metrics_address: str,
@@ -88,6 +96,7 @@ def serve_command(
         preload=modules,
         # The default warm-up exercises numpy and sympy: only when they are preloaded.
         warmup=DEFAULT_WARMUP if {"numpy", "sympy"} <= set(modules) else "",
+        light=light,
         isolation=not no_isolation,
         uid_base=uid_base,
         hidden_paths=hide,

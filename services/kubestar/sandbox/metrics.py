@@ -12,6 +12,13 @@ READY_WORKERS = Gauge("kubestar_sandbox_ready_workers", "Workers a dispatcher ca
 RESULTS = Counter("kubestar_sandbox_results", "Results returned, by status", ["status"])
 RETRIES = Counter("kubestar_sandbox_retries", "Calls started again after a worker failed")
 EXECUTOR_RESTARTS = Counter("kubestar_sandbox_executor_restarts", "Executors restarted")
+ZYGOTE_CALLS = Counter(
+    "kubestar_sandbox_zygote_calls",
+    "Calls run by executors, by zygote (light: no preloaded modules)",
+    ["zygote"],
+)
+LIGHT_CALLS = ZYGOTE_CALLS.labels("light")
+PRELOADED_CALLS = ZYGOTE_CALLS.labels("preloaded")
 LATENCY = Histogram(
     "kubestar_sandbox_call_seconds",
     "Time from receiving a call to its result",

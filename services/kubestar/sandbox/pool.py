@@ -79,6 +79,7 @@ class ExecutorPool(Backend):
                 "fields": {
                     "executors": self.capacity,
                     "preload": list(self.config.preload),
+                    "light_zygotes": self.executors[0].light is not None,
                     **isolation,
                 }
             },
@@ -158,9 +159,7 @@ class ExecutorPool(Backend):
                 metrics.IN_FLIGHT.dec()
             if answer is not None:
                 self._idle.put_nowait(executor)
-                return self._finish(
-                    self._to_result(execution.id, answer, executor, attempts), started
-                )
+                return self._finish(self._to_result(execution.id, answer, attempts), started)
             if attempts >= MAX_ATTEMPTS:
                 return self._finish(
                     make_result(
@@ -214,9 +213,7 @@ class ExecutorPool(Backend):
         await asyncio.sleep(1.0)
         await self._restart(executor)
 
-    def _to_result(
-        self, call_id: str, answer: dict[str, Any], executor: Executor, attempts: int
-    ) -> pb.ExecutionResult:
+    def _to_result(self, call_id: str, answer: dict[str, Any], attempts: int) -> pb.ExecutionResult:
         return pb.ExecutionResult(
             id=call_id,
             status=STATUS_BY_NAME[answer["status"]],
@@ -228,7 +225,7 @@ class ExecutorPool(Backend):
             wall_ms=answer["wall_ms"],
             cpu_ms=answer["cpu_ms"],
             message=answer["message"],
-            executor=executor.name,
+            executor=answer["executor"],
             attempts=attempts,
         )
 
