@@ -7,6 +7,7 @@ grpc.aio, then runs the same workloads as one `python -c CODE` subprocess per ca
     .venv/bin/python bench/sandbox_bench.py                 # full run, ~4 minutes
     .venv/bin/python bench/sandbox_bench.py --quick         # ~1 minute
     .venv/bin/python bench/sandbox_bench.py --executors 2,3,4 --no-baseline
+    .venv/bin/python bench/sandbox_bench.py --no-light-too   # light zygotes on and off
     .venv/bin/python bench/sandbox_bench.py --json out.json
 
 The load generator and the server share the machine: the client's CPU use is reported per
@@ -439,8 +440,10 @@ class Service:
         dispatcher: bool,
         log_dir: Path,
         source: Path | None = None,
+        serve_args: tuple[str, ...] = (),
     ) -> None:
         self.label = label
+        self.serve_args = serve_args  # extra `kubestar sandbox serve` options of the worker
         self.executors = executors
         self.dispatcher = dispatcher
         self.log_dir = log_dir
@@ -468,7 +471,9 @@ class Service:
 
     def start(self) -> None:
         common = ["--log-level", "warning"]
-        _, worker = self._spawn("worker", ["--executors", str(self.executors), *common])
+        _, worker = self._spawn(
+            "worker", ["--executors", str(self.executors), *self.serve_args, *common]
+        )
         self._wait_ready(worker)
         self.endpoint = worker
         if self.dispatcher:
@@ -717,6 +722,11 @@ def parse_args() -> argparse.Namespace:
         help="also measure a dispatcher in front of one worker (two processes)",
     )
     parser.add_argument(
+        "--no-light-too",
+        action="store_true",
+        help="also measure the service without light zygotes (--no-light), side by side",
+    )
+    parser.add_argument(
         "--compare",
         action="append",
         default=[],
@@ -830,6 +840,10 @@ async def main_async(args: argparse.Namespace) -> list[RunResult]:
         for executors in [int(n) for n in args.executors.split(",")]:
             for label, source in sources:
                 services.append(Service(label, executors, False, log_dir, source))
+            if args.no_light_too:
+                services.append(
+                    Service("sandbox --no-light", executors, False, log_dir, None, ("--no-light",))
+                )
                 if args.dispatcher:
                     name = "dispatcher+worker" if source is None else f"{label}+dispatcher"
                     services.append(Service(name, executors, True, log_dir, source))
