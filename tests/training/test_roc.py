@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 from kubestar.training.roc import TraceQuality, penalty, resample_on_correct
+from kubestar.training.trainer import kept_metrics
 
 
 def q(reward: float, calls: int = 1, errors: int = 0, answers: int = 1) -> TraceQuality:
@@ -66,3 +67,8 @@ def test_at_least_one_of_each_sign_is_kept() -> None:
 def test_rejects_groups_that_are_not_oversampled() -> None:
     with pytest.raises(ValueError, match="oversampled"):
         resample_on_correct([q(1), q(0)], lambda t: t, keep=2, rng=random.Random(0))
+
+
+def test_a_step_that_kept_nothing_reports_no_reward() -> None:
+    # Every group answered alike: nothing to learn from, and no reward of 0 on the dashboard.
+    assert kept_metrics([]) == {"kept": 0.0}

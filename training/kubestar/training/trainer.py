@@ -105,6 +105,10 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
 
 
 def kept_metrics(kept: Sequence[Trajectory]) -> dict[str, float]:
+    """What RoC kept for the update; a step that kept nothing (every group's rewards equal)
+    has no reward to report, rather than a misleading 0."""
+    if not kept:
+        return {"kept": 0.0}
     return {
         "reward": _mean([t.reward or 0.0 for t in kept]),
         "positive_tool_error_rate": tool_error_rate([t for t in kept if (t.reward or 0.0) > 0]),
