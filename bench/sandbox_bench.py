@@ -29,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -344,6 +345,7 @@ def baseline_request(python: str, workload: Workload, batch: int, env: dict[str,
         started = time.perf_counter()
         process = await asyncio.create_subprocess_exec(
             python,
+            "-S",  # see run_baseline
             "-c",
             workload.code,
             stdin=asyncio.subprocess.DEVNULL,
@@ -802,6 +804,12 @@ async def run_baseline(
         "PYTHONIOENCODING": "utf-8",
         "OPENBLAS_NUM_THREADS": "1",
         "OMP_NUM_THREADS": "1",
+        # A plain interpreter with numpy and sympy installed: this venv's site hooks (the
+        # editable-install finder of kubestar itself, ~17 ms a start) would slow the baseline
+        # down for a reason no user's python3 has. -S skips them; the packages stay importable.
+        "PYTHONPATH": os.pathsep.join(
+            {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}
+        ),
     }
     for workload in workloads:
         for mode in modes:
