@@ -51,6 +51,8 @@ def session_like_entries() -> list[dict[str, Any]]:
                 "stage": stage,
                 "stage_step": step if step <= 5 else step - 5,
                 "reward": 0.1 * step,
+                "kept": 8.0,
+                "kept_reward": 0.5,
                 "accuracy": 0.05 * step,
                 "tool_error_rate": 0.5 - 0.05 * step,
                 "positive_tool_error_rate": 0.3 - 0.03 * step,
@@ -107,8 +109,10 @@ def test_report_has_the_table_summaries_and_plots(tmp_path: Path) -> None:
 
     # One table row per RL step, in order, with the step's numbers.
     rows = [line for line in text.splitlines() if line.startswith(("| 1 |", "| 8 |"))]
-    assert rows[0].startswith("| 1 | warmup | 0.100 | 0.050 | 1.25 | 0.450 | 0.270 | 290 |")
-    assert rows[-1].startswith("| 8 | harder | 0.800 | 0.400 |")
+    assert rows[0].startswith(
+        "| 1 | warmup | 0.100 | 8 | 0.500 | 0.050 | 1.25 | 0.450 | 0.270 | 290 |"
+    )
+    assert rows[-1].startswith("| 8 | harder | 0.800 | 8 | 0.500 | 0.400 |")
     body = text.split("## RL steps")[1].split("###")[0]
     assert sum(1 for line in body.splitlines() if line.startswith("| ") and "warmup" in line) == 5
     assert "| harder | 3 |" in text  # per-stage summary

@@ -109,10 +109,9 @@ def train(
             bar.set_postfix_str(f"loss={metrics.get('loss', 0):.3f}")
         else:
             bar.set_description("training")
-            # reward: of the trajectories RoC kept for the update (none: nothing to learn).
-            reward = metrics.get("reward")
+            # kept: the trajectories RoC kept for the update (0: every group answered alike).
             bar.set_postfix_str(
-                f"{stage} reward={'-' if reward is None else format(reward, '.2f')} "
+                f"{stage} reward={metrics.get('reward', 0):.2f} "
                 f"kept={metrics.get('kept', 0):.0f}/{metrics.get('rollouts', 0):.0f} "
                 f"acc={metrics.get('accuracy', 0):.2f} "
                 f"tool_err={metrics.get('tool_error_rate', 0):.2f} "

@@ -23,6 +23,8 @@ STEP_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("step", "step", "d"),
     ("stage", "stage", "s"),
     ("reward", "reward", ".3f"),
+    ("kept", "kept", ".0f"),
+    ("kept_reward", "kept reward", ".3f"),
     ("accuracy", "accuracy", ".3f"),
     ("tool_calls_per_trajectory", "tool calls/traj", ".2f"),
     ("tool_error_rate", "tool err", ".3f"),
@@ -56,7 +58,12 @@ SFT_KEYS: tuple[tuple[str, str, str], ...] = (
 )
 # (file, title, y label, [(key, legend)]) of the plots.
 PLOTS: tuple[tuple[str, str, str, tuple[tuple[str, str], ...]], ...] = (
-    ("reward.png", "Reward (kept trajectories)", "reward", (("reward", "reward"),)),
+    (
+        "reward.png",
+        "Reward",
+        "reward",
+        (("reward", "all rollouts"), ("kept_reward", "kept by RoC")),
+    ),
     ("accuracy.png", "Accuracy (all rollouts)", "accuracy", (("accuracy", "accuracy"),)),
     (
         "tool_error_rate.png",

@@ -88,8 +88,12 @@ def tool_error_rate(trajectories: Sequence[Trajectory]) -> float:
 
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """What every rollout says, before selection."""
+    rewards = [t.reward or 0.0 for t in trajectories]
     return {
-        "accuracy": _mean([t.reward or 0.0 for t in trajectories]),
+        # The same while rewards are 0/1 (answer correctness, as in the paper); both are kept
+        # so that a graded reward would show apart from accuracy.
+        "reward": _mean(rewards),
+        "accuracy": _mean([1.0 if (t.reward or 0.0) > 0 else 0.0 for t in trajectories]),
         "tool_calls_per_trajectory": _mean([t.num_tool_calls for t in trajectories]),
         "tool_error_rate": tool_error_rate(trajectories),
         # The policy's own habit in correct answers (the paper's Figure: errors in positives),
@@ -106,11 +110,11 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
 
 def kept_metrics(kept: Sequence[Trajectory]) -> dict[str, float]:
     """What RoC kept for the update; a step that kept nothing (every group's rewards equal)
-    has no reward to report, rather than a misleading 0."""
+    has no kept reward to report, rather than a misleading 0."""
     if not kept:
         return {"kept": 0.0}
     return {
-        "reward": _mean([t.reward or 0.0 for t in kept]),
+        "kept_reward": _mean([t.reward or 0.0 for t in kept]),
         "positive_tool_error_rate": tool_error_rate([t for t in kept if (t.reward or 0.0) > 0]),
         "kept_response_tokens": _mean([t.response_length for t in kept]),
         "kept": float(len(kept)),
