@@ -112,6 +112,9 @@ class TrainingSession:
             address = self.spec.trainer.ray_address or None
             ray.init(
                 address=address,
+                # A local instance talks over loopback only. (Ray 2.60 still listens on all
+                # interfaces for its own gRPC servers; no setting of its changes that.)
+                _node_ip_address=None if address else "127.0.0.1",
                 include_dashboard=False,
                 log_to_driver=False,
                 num_cpus=None if address else max(2, os.cpu_count() or 2),
