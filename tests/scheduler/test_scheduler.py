@@ -252,6 +252,26 @@ async def test_update_weights_waits_for_turns_in_flight_and_holds_new_ones(
     assert (await scheduler.update_weights("/weights/sft", 0)).version == 0
 
 
+async def test_weights_pushed_while_every_engine_is_away_reach_them_on_return(
+    fakes: list[FakeEngine], make_scheduler: MakeScheduler
+) -> None:
+    # Seen on a loaded cluster: the only engine left the endpoints for a moment just as the
+    # trainer pushed a step's weights, and the whole run failed on UNAVAILABLE.
+    scheduler = await make_scheduler(fakes[:1])
+    port = fakes[0].port
+    await fakes[0].crash()
+    await wait_for(lambda: not scheduler.status().engines[0].healthy)
+    answer = await scheduler.update_weights("/weights/step-4", 4)
+    assert (answer.version, list(answer.engines)) == (4, [])
+    assert scheduler.weights_version == 4
+    fakes[0].weights = "base"
+    await fakes[0].start(port)
+    await wait_for(lambda: scheduler.status().engines[0].healthy)
+    assert fakes[0].reloads[-1] == "/weights/step-4"  # before it took a turn
+    responses = await batch(scheduler, 4)
+    assert {r.weights_version for r in responses} == {4}
+
+
 async def test_an_engine_added_during_an_update_gets_the_new_weights(
     fakes: list[FakeEngine], make_scheduler: MakeScheduler
 ) -> None:

@@ -166,10 +166,19 @@ def engine_deployment(
             # Loading a large model takes minutes: allow 30.
             "failureThreshold": 180,
         },
-        "readinessProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 5},
+        # A busy engine (a CPU one above all) answers /health late: a short timeout took it
+        # out of the scheduler's endpoints mid-run and back, over and over (seen in e2e
+        # under load). Not ready only after 30 s without an answer.
+        "readinessProbe": {
+            "httpGet": {"path": "/health", "port": port},
+            "periodSeconds": 5,
+            "timeoutSeconds": 5,
+            "failureThreshold": 6,
+        },
         "livenessProbe": {
             "httpGet": {"path": "/health", "port": port},
             "periodSeconds": 30,
+            "timeoutSeconds": 10,
             "failureThreshold": 5,
         },
         "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}],

@@ -658,9 +658,20 @@ class Scheduler:
                     await self._turn_done.wait()
                 waited = time.monotonic() - waited
                 targets = [e for e in self._engines.values() if e.state.admitting]
-                if not targets:
-                    raise NoEngineAvailable(self._no_engine_message())
                 new_version = self._weights_version + 1 if version is None else version
+                if not targets:
+                    # Every engine is away (restarting, or out of the endpoints for a
+                    # moment): each one loads these weights when it comes back, before it
+                    # takes a turn (`_bring_up`), so the update is not lost and the trainer
+                    # need not fail.
+                    self._weights_version = new_version
+                    self._weights_path = weights_path
+                    self.metrics.weights_version.set(new_version)
+                    log.warning(
+                        "weights recorded with no engine up; engines load them on return",
+                        extra={"fields": {"version": new_version, "path": weights_path}},
+                    )
+                    return pb.UpdateWeightsResponse(version=new_version, engines=[], seconds=0.0)
                 started = time.monotonic()
                 results = await asyncio.gather(
                     *(e.client.reload_weights(weights_path) for e in targets),
