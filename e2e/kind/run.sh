@@ -29,7 +29,9 @@ OUT="${KUBESTAR_E2E_OUT:-$ROOT/runs/e2e-kind-$(date +%Y%m%d-%H%M%S)}"
 PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 NODE_SHARED=/var/lib/kubestar-e2e/checkpoints
 
-log() { printf '[e2e-kind %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+LOG_TAG=e2e-kind
+# shellcheck source=../lib.sh
+source "$ROOT/e2e/lib.sh"
 
 for tool in docker kind kubectl helm; do
     command -v "$tool" >/dev/null || { log "$tool is not on PATH"; exit 2; }
@@ -41,47 +43,16 @@ if grep -qx "$CLUSTER" <<<"$(kind get clusters 2>/dev/null || true)"; then
     exit 2
 fi
 
-mkdir -p "$OUT"
-OUT="$(cd "$OUT" && pwd)"
-TIMINGS="$OUT/timings.txt"
-: >"$TIMINGS"
-started_all=$SECONDS
-step() {
-    local name="$1" began=$SECONDS rc=0
-    shift
-    log "$name"
-    "$@" || rc=$?
-    printf '%-28s %5d s%s\n' "$name" $((SECONDS - began)) "$([[ $rc == 0 ]] || echo "  (exit $rc)")" \
-        | tee -a "$TIMINGS" >&2
-    return $rc
-}
-
+e2e_output
 KUBECONFIG_FILE="$OUT/kubeconfig"
-cleaned=0
-cleanup() {
-    local rc=$?
-    ((cleaned)) && return 0
-    cleaned=1
-    trap - INT TERM
+teardown() {
     if [[ "${KUBESTAR_E2E_KEEP_CLUSTER:-0}" == 1 ]]; then
         log "keeping kind cluster $CLUSTER (KUBECONFIG=$KUBECONFIG_FILE)"
     else
-        step "kind delete cluster" kind delete cluster --name "$CLUSTER" || rc=1
+        step "kind delete cluster" kind delete cluster --name "$CLUSTER"
     fi
-    printf '%-28s %5d s\n' "total" $((SECONDS - started_all)) | tee -a "$TIMINGS" >&2
-    if [[ "$rc" == 0 ]]; then log "PASSED; output in $OUT"; else log "FAILED ($rc); output in $OUT"; fi
-    exit "$rc"
 }
-# A signal (Ctrl-C, a CI timeout) stops the suite (started in the background, so that the
-# trap runs at once instead of after pytest), then the EXIT trap cleans up.
-SUITE_PID=""
-on_signal() {
-    [[ -n "$SUITE_PID" ]] && kill -TERM "$SUITE_PID" 2>/dev/null
-    exit "$1"
-}
-trap cleanup EXIT
-trap 'on_signal 130' INT
-trap 'on_signal 143' TERM
+e2e_traps teardown
 
 create_args=(--name "$CLUSTER" --kubeconfig "$KUBECONFIG_FILE" --wait 180s)
 [[ -n "${KIND_NODE_IMAGE:-}" ]] && create_args+=(--image "$KIND_NODE_IMAGE")
@@ -102,11 +73,4 @@ export KUBESTAR_E2E_HELM_ARGS="\
  --set images.engineCpu=$IMAGE --set images.pullPolicy=IfNotPresent\
  --set operator.resyncSeconds=10\
  --set trainer.sharedCheckpoints.hostPath=$NODE_SHARED"
-cd "$ROOT"
-suite() {
-    "$PYTHON" -m pytest e2e/tests -v -p no:cacheprovider --durations=0 \
-        -o junit_family=xunit2 --junitxml="$OUT/junit.xml" "$@" > >(tee "$OUT/pytest.txt") 2>&1 &
-    SUITE_PID=$!
-    wait "$SUITE_PID"
-}
-step "suite (pytest e2e/tests)" suite "$@"
+step "suite (pytest e2e/tests)" e2e_suite "$@"

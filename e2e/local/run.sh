@@ -25,7 +25,9 @@ APISERVER_PORT="${APISERVER_PORT:-6443}"
 SHARED="$DIR/e2e-checkpoints"
 export KUBESTAR_CLUSTER_DIR="$DIR" APISERVER_PORT
 
-log() { printf '[e2e %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+LOG_TAG=e2e
+# shellcheck source=../lib.sh
+source "$ROOT/e2e/lib.sh"
 
 if grep -q ': running' <<<"$("$HERE/cluster.sh" status "$DIR" 2>/dev/null || true)"; then
     log "a cluster of $DIR is already running; stop it first (e2e/local/cluster.sh stop $DIR)"
@@ -33,43 +35,14 @@ if grep -q ': running' <<<"$("$HERE/cluster.sh" status "$DIR" 2>/dev/null || tru
     exit 2
 fi
 
-mkdir -p "$OUT"
-OUT="$(cd "$OUT" && pwd)"
-TIMINGS="$OUT/timings.txt"
-: >"$TIMINGS"
-started_all=$SECONDS
-step() { # NAME COMMAND...: run, time it into timings.txt
-    local name="$1" began=$SECONDS rc=0
-    shift
-    log "$name"
-    "$@" || rc=$?
-    printf '%-28s %5d s%s\n' "$name" $((SECONDS - began)) "$([[ $rc == 0 ]] || echo "  (exit $rc)")" \
-        | tee -a "$TIMINGS" >&2
-    return $rc
-}
-
-cleaned=0
-cleanup() {
-    local rc=$?
-    ((cleaned)) && return 0
-    cleaned=1
-    trap - INT TERM
+e2e_output
+teardown() {
+    local rc=0
     step "cluster stop" "$HERE/cluster.sh" stop "$DIR" || rc=1
     rm -rf "$SHARED"
-    printf '%-28s %5d s\n' "total" $((SECONDS - started_all)) | tee -a "$TIMINGS" >&2
-    if [[ "$rc" == 0 ]]; then log "PASSED; output in $OUT"; else log "FAILED ($rc); output in $OUT"; fi
-    exit "$rc"
+    return $rc
 }
-# A signal (Ctrl-C, a CI timeout) stops the suite (started in the background, so that the
-# trap runs at once instead of after pytest), then the EXIT trap cleans up.
-SUITE_PID=""
-on_signal() {
-    [[ -n "$SUITE_PID" ]] && kill -TERM "$SUITE_PID" 2>/dev/null
-    exit "$1"
-}
-trap cleanup EXIT
-trap 'on_signal 130' INT
-trap 'on_signal 143' TERM
+e2e_traps teardown
 
 step "install (binaries)" "$HERE/install.sh"
 # A fresh cluster state every run (PKI and the node's images stay).
@@ -92,11 +65,4 @@ export KUBESTAR_E2E_HELM_ARGS="\
  --set network.apiServerHost=127.0.0.1 --set network.apiServerPort=$APISERVER_PORT\
  --set operator.bindAddress=127.0.0.1 --set operator.resyncSeconds=10\
  --set trainer.sharedCheckpoints.hostPath=$SHARED"
-cd "$ROOT"
-suite() {
-    "$PYTHON" -m pytest e2e/tests -v -p no:cacheprovider --durations=0 \
-        -o junit_family=xunit2 --junitxml="$OUT/junit.xml" "$@" > >(tee "$OUT/pytest.txt") 2>&1 &
-    SUITE_PID=$!
-    wait "$SUITE_PID"
-}
-step "suite (pytest e2e/tests)" suite "$@"
+step "suite (pytest e2e/tests)" e2e_suite "$@"

@@ -65,7 +65,7 @@ def sandbox() -> None:
     "--uid-base",
     default=61000,
     show_default=True,
-    help="As root, executor i runs calls as uid UID_BASE+i.",
+    help="As root, executor i of N runs calls as uid UID_BASE+i, its light zygote as UID_BASE+N+i.",
 )
 @click.option(
     "--drain-seconds",

@@ -67,8 +67,8 @@ class ExecutorConfig:
     # a preloaded module go to the preloading zygote. See `Executor.process_for`.
     light: bool = True
     isolation: bool = True
-    # First unprivileged uid; executor i runs its calls as uid_base + i (only as root), its
-    # light zygote as uid_base + LIGHT_UID_OFFSET + i.
+    # First unprivileged uid; of a pool of N, executor i runs its calls as uid_base + i (only
+    # as root), its light zygote as uid_base + N + i: 2N uids, none shared.
     uid_base: int = 61000
     hidden_paths: tuple[str, ...] = ()
     policy: LimitPolicy = field(default_factory=LimitPolicy)
@@ -76,9 +76,6 @@ class ExecutorConfig:
     # stays on one CPU costs ~5% less CPU per call, and executors stop contending for the
     # same core. None: the pool decides (see ExecutorPool).
     pin_cpus: bool | None = None
-
-
-LIGHT_UID_OFFSET = 500
 
 
 class ZygoteProcess:
@@ -185,7 +182,9 @@ class Executor:
     """One slot of a worker's capacity: runs one call at a time, on its preloading zygote or,
     for calls that need none of the preloaded modules, on its light zygote."""
 
-    def __init__(self, index: int, config: ExecutorConfig, name_prefix: str = "") -> None:
+    def __init__(
+        self, index: int, config: ExecutorConfig, name_prefix: str = "", pool_size: int = 1
+    ) -> None:
         self.index = index
         self.config = config
         self.name = f"{name_prefix}executor-{index}"
@@ -200,7 +199,7 @@ class Executor:
         self.light: ZygoteProcess | None = None
         self._preloaded: re.Pattern[str] | None = None
         if config.light and config.preload:
-            light_uid = config.uid_base + LIGHT_UID_OFFSET + index if is_root else 0
+            light_uid = config.uid_base + pool_size + index if is_root else 0
             self.light = ZygoteProcess(f"{self.name}/light", config, light_uid, cpu, light=True)
             roots = sorted({module.split(".")[0] for module in config.preload})
             self._preloaded = re.compile(r"\b(?:" + "|".join(map(re.escape, roots)) + r")\b")

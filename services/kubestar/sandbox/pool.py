@@ -47,7 +47,9 @@ class ExecutorPool(Backend):
         self.policy: LimitPolicy = self.config.policy
         self.queue_timeout = queue_timeout
         self.name = name
-        self.executors = [Executor(i, self.config, f"{name}/") for i in range(executors)]
+        self.executors = [
+            Executor(i, self.config, f"{name}/", pool_size=executors) for i in range(executors)
+        ]
         self._idle: asyncio.Queue[Executor] = asyncio.Queue()
         self._in_flight = 0
         self._queued = 0
