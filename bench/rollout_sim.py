@@ -20,6 +20,9 @@ Model
   prefills only the new tokens (previous output + tool output); elsewhere the whole context.
 * Trajectory: prompt, then turns with long-tailed (lognormal) output lengths; between turns a
   tool call (lognormal pause, mean `--tool-s`) adds tool-output tokens to the context.
+* Segments (kv-aware, `--segment-tokens`): a turn is admitted in segments of at most that
+  many new tokens, as the service does; the next segment joins the front of the queue as the
+  last one ends.
 * Scheduler: sees exact KV use (kv_usage set from the engine at every decision; the real one
   samples /metrics every 100-200 ms) and scans the first `--window` queued turns per
   decision (the service scans the whole queue).
@@ -57,6 +60,7 @@ from kubestar.scheduler.core import (
     TurnRequest,
     plan_admissions,
     release,
+    segment_new_tokens,
 )
 
 POLICY_ORDER = (ROUND_ROBIN, LEAST_REQUESTS, KV_AWARE)
@@ -92,6 +96,8 @@ class SimConfig:
     chunk: int = 16
     window: int = 256
     starvation_s: float = 5.0
+    # kv-aware admits long turns in segments of this many new tokens (0: whole turns).
+    segment_tokens: int = 0
 
     @property
     def usable_tokens(self) -> int:
@@ -147,6 +153,8 @@ class Seq:
     prefill: int  # tokens to prefill when (re)admitted
     reserved: int = 0
     arrived: float = 0.0
+    # New tokens of the turn left after this segment.
+    left_after: int = 0
 
 
 @dataclass(eq=False)
@@ -217,6 +225,7 @@ class Simulation:
         self.dirty = False
         self.need: dict[int, int] = {}
         self.arrived_now: list[TurnRequest] = []
+        self.segment_tokens = config.segment_tokens if policy == KV_AWARE else 0
 
     # -- events --
     def push(self, at: float, kind: str, payload: Any) -> None:
@@ -260,20 +269,39 @@ class Simulation:
 
     def arrive(self, traj: int, turn: int) -> None:
         spec = self.workload[traj].turns[turn]
+        self.enqueue(traj, turn, self.contexts[traj], spec.new_tokens, front=False)
+
+    def continue_turn(self, s: Seq) -> None:
+        self.enqueue(s.traj, s.turn, s.context, s.left_after, front=True)
+
+    def enqueue(self, traj: int, turn: int, context: int, new_tokens: int, front: bool) -> None:
         self.seq_no += 1
+        segment = segment_new_tokens(
+            new_tokens, self.segment_tokens, context, self.config.block_size
+        )
         request = TurnRequest(
             trajectory_id=str(traj),
-            prompt_tokens=self.contexts[traj],
-            max_new_tokens=spec.new_tokens,
+            prompt_tokens=context,
+            max_new_tokens=segment,
             seq=self.seq_no,
             enqueued_at=self.now,
         )
         self.pending[request.seq] = Seq(
-            request, traj, turn, self.contexts[traj], spec.new_tokens, 0, arrived=self.now
+            request,
+            traj,
+            turn,
+            context,
+            segment,
+            0,
+            arrived=self.now,
+            left_after=new_tokens - segment,
         )
         self.need[request.seq] = self.engines[0].state.need(request)
-        self.queue.append(request)
-        self.arrived_now.append(request)
+        if front:
+            self.queue.insert(0, request)
+        else:
+            self.queue.append(request)
+            self.arrived_now.append(request)
         self.dirty = True
 
     def dispatch(self) -> None:
@@ -396,10 +424,13 @@ class Simulation:
     def finish(self, e: SimEngine, s: Seq) -> None:
         release(e.state, s.reserved)
         self.dirty = True
+        self.prev_context[s.traj] = s.context
+        if s.left_after > 0:  # the service queues the next segment as it releases this one
+            self.continue_turn(s)
+            return
         self.turns_done += 1
         traj = self.workload[s.traj]
         spec = traj.turns[s.turn]
-        self.prev_context[s.traj] = s.context
         if s.turn + 1 < len(traj.turns):
             self.contexts[s.traj] = s.context + spec.tool_tokens
             delay = spec.tool_s + self.config.turn_overhead_s
@@ -457,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     defaults = SimConfig()
     for name in (
         "engines", "trajectories", "seed", "kv_tokens", "block_size", "new_median",
-        "new_max", "turns_max", "chunk", "window",
+        "new_max", "turns_max", "chunk", "window", "segment_tokens",
     ):  # fmt: skip
         parser.add_argument(
             f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name)
@@ -480,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
         turns_max=args.turns_max,
         chunk=args.chunk,
         window=args.window,
+        segment_tokens=args.segment_tokens,
         tool_s=args.tool_s,
         starvation_s=args.starvation_s,
     )

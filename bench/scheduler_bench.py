@@ -10,6 +10,11 @@ per policy (round-robin, least-requests, kv-aware) drives the same seeded multi-
 tool-using batch: each trajectory has 2-4 turns whose lengths are long-tailed (lognormal),
 with a simulated tool call (lognormal pause, mean 0.3 s) and tool output between turns.
 
+kv-aware admits long turns in segments of `--segment-tokens` (128: one KV block; 0 reserves
+whole turns, as before segments existed). `--straggler` makes the fleet uneven, as a cluster
+with an older GPU or a noisy neighbour is: a busy loop of the bench's own shares engine e1's
+CPU, so e1 decodes at about half speed for every policy alike.
+
 The policies run in `--rounds` rounds (3; 2 with --quick), every policy once per round, the
 order rotated from round to round. The machine the bench was written on is shared with other
 work whose load changes by the minute; one run per policy compared runs made minutes apart
@@ -42,10 +47,11 @@ import json
 import math
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -200,6 +206,7 @@ async def run_policy(
     batch: list[TrajectorySpec],
     salt: int,
     starvation_seconds: float = DEFAULT_STARVATION_SECONDS,
+    segment_tokens: int = 128,
 ) -> PolicyResult:
     await wait_idle(urls)
     before = [parse_vllm_metrics(t).preemptions for t in await scrape_all(urls)]
@@ -211,6 +218,7 @@ async def run_policy(
             scrape_timeout=5.0,
             request_timeout=600.0,
             starvation_seconds=starvation_seconds,
+            segment_tokens=segment_tokens,
         ),
     )
     await scheduler.start()
@@ -272,6 +280,19 @@ async def run_policy(
         requested_tokens=requested,
         turns_per_engine=per_engine,
     )
+
+
+@contextlib.contextmanager
+def busy_loop(cpu: str) -> Iterator[None]:
+    """A process of ours spinning on `cpu` while the block runs (stopped by its PID)."""
+    spinner = subprocess.Popen(
+        [sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{int(cpu)}}})\nwhile 1: pass"]
+    )
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
 
 
 def decode_by_batch(series: Sequence[Sequence[tuple[float, int, float]]]) -> dict[int, list[float]]:
@@ -430,7 +451,7 @@ async def main_async(args: argparse.Namespace) -> int:
         f"max {lengths[-1]}; engines: 2 x {args.blocks} blocks of 128 tokens"
     )
     model = tiny_model()
-    with tempfile.TemporaryDirectory() as logs:
+    with tempfile.TemporaryDirectory() as logs, contextlib.ExitStack() as stack:
         started = time.monotonic()
         cpus = one_cpu_each(2) if args.pin else ["", ""]
         with running_engines(2, Path(logs), model, blocks=args.blocks, cpus=cpus) as engines:
@@ -440,6 +461,12 @@ async def main_async(args: argparse.Namespace) -> int:
                 f" ({pinning or 'not pinned: both share every CPU'})"
             )
             urls = [e.url for e in engines]
+            if args.straggler:
+                if not cpus[1]:
+                    print("cannot run --straggler: the engines are not pinned")
+                    return 2
+                stack.enter_context(busy_loop(cpus[1]))
+                print(f"straggler: a busy loop shares CPU {cpus[1]} with e1")
             calibration = await calibrate(urls[0], args.calibration_batches, args.calib_tokens)
             print(
                 "calibration (engine e0): "
@@ -458,7 +485,9 @@ async def main_async(args: argparse.Namespace) -> int:
                 shift = round_no % len(policies)
                 for policy in policies[shift:] + policies[:shift]:
                     salt = round_no * len(policies) + policies.index(policy) + 1
-                    result = await run_policy(policy, urls, batch, salt, args.starvation_seconds)
+                    result = await run_policy(
+                        policy, urls, batch, salt, args.starvation_seconds, args.segment_tokens
+                    )
                     result.round = round_no
                     print(
                         f"  round {round_no} {policy}: {result.makespan_s:.1f}s, "
@@ -501,6 +530,8 @@ async def main_async(args: argparse.Namespace) -> int:
             "seed": args.seed,
             "rounds": args.rounds,
             "pinned": args.pin,
+            "straggler": args.straggler,
+            "segment_tokens": args.segment_tokens,
             "tool_seconds_mean": statistics.fmean(
                 t.tool_seconds for s in batch for t in s.turns[:-1]
             ),
@@ -533,6 +564,17 @@ def main(argv: list[str] | None = None) -> int:
         dest="pin",
         action="store_false",
         help="let both engines share every CPU (default: a CPU of its own for each engine)",
+    )
+    parser.add_argument(
+        "--segment-tokens",
+        type=int,
+        default=128,
+        help="kv-aware: new tokens reserved per admission (0: whole turns)",
+    )
+    parser.add_argument(
+        "--straggler",
+        action="store_true",
+        help="e1 shares its CPU with a busy loop (an uneven fleet)",
     )
     parser.add_argument(
         "--starvation-seconds",

@@ -41,6 +41,9 @@ class FakeEngine:
     metrics_delay: float = 0.0
     # "": normal; "500": every completion fails with HTTP 500; "hang": completions never end.
     fail: str = ""
+    # Set: the output is this text, one character a token, continuing from the context's
+    # length (so segments of a turn continue it), and stop strings end a request as in vLLM.
+    script: str = ""
     weights: str = "base"
     preemptions: int = 0
     requests: list[tuple[int, int]] = field(default_factory=list)
@@ -140,17 +143,37 @@ class FakeEngine:
             self._requests.pop(id(request), None)
             if turn in self.running:
                 self.running.remove(turn)
-        seed = zlib.crc32(f"{self.weights}:{sum(prompt)}".encode())
-        tokens = [(seed + i * 7919) % 1000 + 10 for i in range(max_tokens)]
-        choice: dict[str, Any] = {
-            "text": " ".join(map(str, tokens)),
-            "token_ids": tokens,
-            "finish_reason": "length",
-            "stop_reason": None,
-        }
+        if self.script:
+            choice = self._scripted(len(prompt), max_tokens, body.get("stop") or [])
+        else:
+            seed = zlib.crc32(f"{self.weights}:{sum(prompt)}".encode())
+            tokens = [(seed + i * 7919) % 1000 + 10 for i in range(max_tokens)]
+            choice = {
+                "text": " ".join(map(str, tokens)),
+                "token_ids": tokens,
+                "finish_reason": "length",
+                "stop_reason": None,
+            }
         if body.get("logprobs") is not None:
-            choice["logprobs"] = {"token_logprobs": [-0.5] * len(tokens)}
+            count = len(choice["token_ids"])
+            choice["logprobs"] = {"token_logprobs": [-0.5] * count}
+            if self.script:
+                choice["logprobs"]["text_offset"] = list(range(count))
         return web.json_response({"choices": [choice]})
+
+    def _scripted(self, start: int, max_tokens: int, stops: list[str]) -> dict[str, Any]:
+        text = "".join(self.script[(start + i) % len(self.script)] for i in range(max_tokens))
+        finish, stop_reason = "length", None
+        ends = [(text.find(stop) + len(stop), stop) for stop in stops if stop in text]
+        if ends:
+            end, stop_reason = min(ends)
+            text, finish = text[:end], "stop"
+        return {
+            "text": text,
+            "token_ids": [ord(c) for c in text],
+            "finish_reason": finish,
+            "stop_reason": stop_reason,
+        }
 
     def metrics_text(self) -> str:
         labels = 'engine="0",model_name="policy"'

@@ -13,6 +13,7 @@ from kubestar.scheduler.core import (
     TurnRequest,
     apply_sample,
     check_fits,
+    find_split_stop,
     kv_aware,
     least_requests,
     parse_vllm_metrics,
@@ -20,7 +21,9 @@ from kubestar.scheduler.core import (
     release,
     reserve,
     round_robin,
+    segment_new_tokens,
     soonest_fit,
+    tokens_through,
 )
 
 DATA = Path(__file__).parent / "data"
@@ -306,3 +309,40 @@ def test_plan_with_immediate_policies_sends_everything() -> None:
     for policy in (least_requests, round_robin):
         assert len(plan_admissions(queue, [a, b], policy, now=0.0)) == 10
     assert a.reserved_tokens > a.usable_tokens  # they overload (what kv-aware prevents)
+
+
+def test_segments_ask_for_at_most_segment_tokens() -> None:
+    assert segment_new_tokens(1000, 256) == 256
+    assert segment_new_tokens(100, 256) == 100
+    assert segment_new_tokens(1000, 0) == 1000
+    # On block boundaries (blocks of 128): the last one within 256 new tokens, else the next.
+    assert segment_new_tokens(1000, 256, context_tokens=300, block_size=128) == 212
+    assert segment_new_tokens(1000, 256, context_tokens=512, block_size=128) == 256
+    assert segment_new_tokens(1000, 64, context_tokens=300, block_size=128) == 84
+    assert segment_new_tokens(50, 64, context_tokens=300, block_size=128) == 50
+
+
+@pytest.mark.parametrize(
+    ("previous", "segment", "expected"),
+    [
+        ("x = 1</tool", "_call>\nmore", (6, "</tool_call>")),  # split: ends 6 chars in
+        ("x = 1<", "/tool_call>more", (11, "</tool_call>")),
+        ("x = 1", "</tool_call>", None),  # wholly in the segment: the engine's to find
+        ("x = 1</tool", "_cal", None),  # not complete yet
+        ("</tool_call>", "abc", None),  # wholly in the earlier text
+        ("", "_call>", None),
+        ("ab</an", "swer></tool_call>", (5, "</answer>")),  # any of the stop strings
+    ],
+)
+def test_a_stop_string_split_across_segments_is_found(
+    previous: str, segment: str, expected: tuple[int, str] | None
+) -> None:
+    assert find_split_stop(previous, segment, ["</tool_call>", "</answer>"]) == expected
+
+
+def test_tokens_through_counts_the_tokens_that_cover_a_prefix() -> None:
+    offsets = [0, 3, 4, 9]  # tokens "abc", "d", "efghi", "j..."
+    assert tokens_through(offsets, 1) == 1
+    assert tokens_through(offsets, 4) == 2
+    assert tokens_through(offsets, 5) == 3
+    assert tokens_through(offsets, 100) == 4

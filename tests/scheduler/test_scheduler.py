@@ -415,3 +415,91 @@ async def test_unreachable_engines_at_start() -> None:
 def test_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown policy 'fastest'"):
         SchedulerConfig(policy="fastest")
+
+
+# ---- segments (kv-aware admits a long turn in parts) ------------------------------------
+
+
+async def test_a_long_turn_runs_in_segments_and_answers_once(
+    fakes: list[FakeEngine], make_scheduler: MakeScheduler
+) -> None:
+    scheduler = await make_scheduler(fakes[:1], segment_tokens=32)
+    response = await scheduler.generate("t0", PROMPT, 100, pb.SamplingParams(logprobs=True))
+    assert len(response.token_ids) == 100 and len(response.logprobs) == 100
+    assert response.finish_reason == pb.FINISH_REASON_LENGTH
+    # Each segment continues from the context so far and ends on a block boundary (blocks of
+    # 16) within 32 new tokens.
+    assert fakes[0].requests == [(20, 28), (48, 32), (80, 32), (112, 8)]
+    segments = scheduler.metrics.registry.get_sample_value("kubestar_scheduler_segments_total")
+    assert segments == 3
+    assert scheduler.status().admitted == 4
+
+
+async def test_segments_fit_more_turns_without_preemptions(
+    fakes: list[FakeEngine], make_scheduler: MakeScheduler
+) -> None:
+    # 20 + 200 tokens: 14 of an engine's 16 usable blocks; whole turns run one at a time.
+    whole = await make_scheduler(fakes[:1], segment_tokens=0)
+    await asyncio.gather(*(whole.generate(f"w{i}", prompt(i), 200) for i in range(4)))
+    assert fakes[0].max_running == 1
+    fakes[0].max_running = 0
+    segmented = await make_scheduler(fakes[1:], segment_tokens=32)
+    responses = await asyncio.gather(
+        *(segmented.generate(f"s{i}", prompt(i), 200) for i in range(4))
+    )
+    assert all(len(r.token_ids) == 200 for r in responses)
+    assert fakes[1].max_running >= 2
+    assert [f.preemptions for f in fakes] == [0, 0]
+
+
+async def test_a_stop_string_split_between_segments_ends_the_turn(
+    make_scheduler: MakeScheduler,
+) -> None:
+    # The output continues this text from the context's length: the prompt is one token, so
+    # the first segment (12 tokens) ends inside "</tool_call>" and vLLM cannot see it whole.
+    engine = await FakeEngine(script="0123456789</tool_call>after").start()
+    try:
+        scheduler = await make_scheduler([engine], segment_tokens=12)
+        stop = pb.SamplingParams(stop=["</tool_call>"], logprobs=False)
+        response = await scheduler.generate("t0", [1], 64, stop)
+        assert response.text == "123456789</tool_call>"
+        assert response.token_ids == [ord(c) for c in response.text]
+        assert response.finish_reason == pb.FINISH_REASON_STOP
+        assert response.stop_reason == "</tool_call>"
+        assert len(response.logprobs) == 0  # asked for offsets only, not for logprobs
+        # A stop wholly inside one segment ends it as the engine says.
+        inside = await scheduler.generate("t1", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 64, stop)
+        assert inside.text == "</tool_call>" and inside.finish_reason == pb.FINISH_REASON_STOP
+    finally:
+        await engine.stop()
+
+
+async def test_update_weights_lets_a_segmented_turn_finish_on_the_old_weights(
+    fakes: list[FakeEngine], make_scheduler: MakeScheduler
+) -> None:
+    fakes[0].token_delay = 0.01
+    scheduler = await make_scheduler(fakes[:1], segment_tokens=16)
+    turn = asyncio.create_task(scheduler.generate("t0", PROMPT, 96))
+    await wait_for(lambda: len(fakes[0].requests) >= 2)  # into its second segment
+    update = asyncio.create_task(scheduler.update_weights("/weights/v1"))
+    response = await turn
+    await update
+    assert len(response.token_ids) == 96
+    assert response.weights_version == 0  # every segment ran before the reload
+    assert fakes[0].reloads == ["/weights/v1"]
+    assert scheduler.weights_version == 1
+
+
+async def test_a_segmented_turn_whose_engine_dies_goes_on_elsewhere(
+    fakes: list[FakeEngine], make_scheduler: MakeScheduler
+) -> None:
+    fakes[0].token_delay = fakes[1].token_delay = 0.01
+    scheduler = await make_scheduler(fakes, segment_tokens=16)
+    turn = asyncio.create_task(scheduler.generate("t0", PROMPT, 64))
+    await wait_for(lambda: len(fakes[0].requests) >= 2)
+    await fakes[0].crash()
+    response = await turn
+    assert len(response.token_ids) == 64
+    assert response.engine == "e1" and response.attempts == 2
+    # The other engine went on from the tokens the first one had generated.
+    assert fakes[1].requests[0][0] > len(PROMPT)

@@ -53,13 +53,17 @@ def engines(
 
 @asynccontextmanager
 async def scheduler(
-    engines: Sequence[EngineProcess], policy: str = "kv-aware"
+    engines: Sequence[EngineProcess], policy: str = "kv-aware", segment_tokens: int = 256
 ) -> AsyncIterator[tuple[SchedulerServer, SchedulerClient]]:
     config = ServerConfig(
         listen="127.0.0.1:0",
         engines=[(f"e{i}", e.url) for i, e in enumerate(engines)],
         scheduler=SchedulerConfig(
-            policy=policy, poll_interval=0.1, scrape_timeout=5.0, request_timeout=300.0
+            policy=policy,
+            poll_interval=0.1,
+            scrape_timeout=5.0,
+            request_timeout=300.0,
+            segment_tokens=segment_tokens,
         ),
     )
     server = SchedulerServer(config)
@@ -131,6 +135,38 @@ async def test_kv_aware_batch_completes_without_preemptions(
     # how fast the others finish, i.e. on the machine's load).
     assert (queued or 0) >= 1
     assert status.admitted == BATCH and status.retried == 0
+
+
+async def test_kv_aware_in_segments_completes_without_preemptions(
+    engines: Sequence[EngineProcess],
+) -> None:
+    """Segments of 32 tokens: each admission reserves 300 + 32 tokens, not 300 + 100."""
+    before = await preemptions(engines)
+    async with scheduler(engines, segment_tokens=32) as (server, client):
+        responses, seconds = await run_batch(client, "kv-seg")
+    grown = [a - b for a, b in zip(await preemptions(engines), before, strict=True)]
+    segments = server.metrics.registry.get_sample_value("kubestar_scheduler_segments_total")
+    print(f"\n[vllm] kv-aware, segments of 32: {seconds:.1f}s, {segments} segments, {grown}")
+    assert grown == [0, 0]
+    assert (segments or 0) >= BATCH  # most turns run to 100 tokens: 3-4 segments each
+    for r in responses:
+        assert 1 <= len(r.token_ids) <= NEW_TOKENS
+        assert r.finish_reason == pb.FINISH_REASON_STOP or len(r.token_ids) == NEW_TOKENS
+
+
+async def test_engine_reports_where_each_token_starts_in_the_text(
+    engines: Sequence[EngineProcess],
+) -> None:
+    """What finds a stop string split across segments: vLLM's per-token text offsets."""
+    client = EngineClient(engines[0].url, timeout=120)
+    try:
+        completion = await client.complete(prompt(0, 16), 24, seed=3, logprobs=True)
+    finally:
+        await client.close()
+    offsets = completion.text_offsets
+    assert len(offsets) == len(completion.token_ids) == len(completion.logprobs)
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    assert offsets[-1] <= len(completion.text)
 
 
 async def test_least_requests_overloads_the_same_engines(engines: Sequence[EngineProcess]) -> None:

@@ -91,6 +91,9 @@ class SchedulerSpec(Spec):
     policy: Literal["kv-aware", "least-requests", "round-robin"] = "kv-aware"
     # How often engines' /metrics are read.
     metrics_interval_seconds: float = Field(0.2, gt=0, le=60)
+    # kv-aware: the most new tokens one admission reserves KV room for; longer turns run in
+    # segments of this size on the same engine (0: reserve the whole turn at once).
+    segment_tokens: int = Field(256, ge=0, le=1_048_576)
     port: int = Field(50061, ge=1, le=65535)
 
 

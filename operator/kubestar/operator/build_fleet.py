@@ -314,6 +314,8 @@ def scheduler_deployment(
             spec.scheduler.policy,
             "--poll-interval",
             f"{spec.scheduler.metrics_interval_seconds:g}",
+            "--segment-tokens",
+            str(spec.scheduler.segment_tokens),
             "--k8s-selector",
             selector,
             "--k8s-namespace",

@@ -62,6 +62,14 @@ def scheduler() -> None:
     help="After this long in the queue, a turn that does not fit holds the engine closest to "
     "fitting it (no later turn is admitted there) while the other engines keep admitting.",
 )
+@click.option(
+    "--segment-tokens",
+    default=256,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="kv-aware: reserve KV room for at most this many new tokens at a time; longer turns "
+    "run in segments on the same engine (0: reserve prompt + max new tokens at once).",
+)
 @click.option("--max-attempts", default=4, show_default=True, help="Engines a turn may fail on.")
 @click.option(
     "--request-timeout", default=3600.0, show_default=True, help="Longest turn, in seconds."
@@ -89,6 +97,7 @@ def serve_command(
     policy: str,
     poll_interval: float,
     starvation_seconds: float,
+    segment_tokens: int,
     max_attempts: int,
     request_timeout: float,
     k8s_selector: str,
@@ -109,6 +118,7 @@ def serve_command(
             policy=policy,
             poll_interval=poll_interval,
             starvation_seconds=starvation_seconds,
+            segment_tokens=segment_tokens,
             max_attempts=max_attempts,
             request_timeout=request_timeout,
         ),

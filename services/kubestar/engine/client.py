@@ -34,6 +34,8 @@ class Completion:
     finish_reason: str  # "stop" | "length"
     stop_reason: str = ""
     logprobs: list[float] = field(default_factory=list)
+    # Where each token's text starts in `text` (with logprobs only).
+    text_offsets: list[int] = field(default_factory=list)
 
 
 class EngineClient:
@@ -103,6 +105,7 @@ class EngineClient:
         answer = await self._post("/v1/completions", body)
         choice = answer["choices"][0]
         token_logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+        text_offsets = (choice.get("logprobs") or {}).get("text_offset") or []
         stop_reason = choice.get("stop_reason")
         return Completion(
             token_ids=list(choice.get("token_ids") or []),
@@ -110,6 +113,7 @@ class EngineClient:
             finish_reason=choice.get("finish_reason") or "stop",
             stop_reason=stop_reason if isinstance(stop_reason, str) else "",
             logprobs=[float(x) for x in token_logprobs],
+            text_offsets=[int(x) for x in text_offsets],
         )
 
     async def metrics_text(self) -> str:

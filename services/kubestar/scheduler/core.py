@@ -44,6 +44,15 @@ Choice: the engine that holds the trajectory's prefix (its previous turn's engin
 room; otherwise the engine with the most free tokens (ties: fewer waiting in vLLM, fewer in
 flight, then list order).
 
+Segments: a long turn is admitted in segments of at most `segment_tokens` new tokens, each
+reserving only its context + segment; the next segment is queued ahead of new turns and keeps
+to the same engine (prefix cache) while it has room. Reserving prompt + max_new_tokens for a
+whole turn would hold room the turn may never use (most turns stop long before their limit)
+and cap the engine's batch well below what its cache holds; a segment reserves about what the
+turn will actually hold next, and still never more than the engine has, so vLLM never
+preempts. vLLM looks for stop strings within one request only: one split across two segments
+is found by `find_split_stop`.
+
 Queue: FIFO with backfilling (a turn that does not fit is passed by later ones that do).
 A turn that has waited `starvation_seconds` holds one engine, the one that lacks the fewest
 tokens for it: nothing queued behind it is admitted there, so that engine drains until the
@@ -353,6 +362,52 @@ def _suffix_min_tokens(queue: Sequence[TurnRequest]) -> list[int]:
         smallest = min(smallest, queue[i].tokens)
         out[i] = int(smallest)
     return out
+
+
+def segment_new_tokens(
+    remaining: int, segment_tokens: int, context_tokens: int = 0, block_size: int = 0
+) -> int:
+    """New tokens to ask for in a turn's next segment (`segment_tokens` 0: the whole rest).
+
+    With the engines' block size known, the segment ends on a block boundary (the last one
+    within `segment_tokens`, or else the next): its reservation is then exactly the blocks
+    vLLM itself will hold when the segment ends, and the next segment starts on a fresh block.
+    """
+    if segment_tokens <= 0:
+        return remaining
+    if block_size <= 0:
+        return min(remaining, segment_tokens)
+    end = (context_tokens + segment_tokens) // block_size * block_size
+    if end <= context_tokens:
+        end = (context_tokens // block_size + 1) * block_size
+    return min(remaining, end - context_tokens)
+
+
+def find_split_stop(previous: str, segment: str, stops: Sequence[str]) -> tuple[int, str] | None:
+    """A stop string that begins in `previous` (the turn's text so far) and ends in `segment`.
+
+    Returns (characters of `segment` up to the end of the stop string, the stop string) for
+    the one that ends first, or None. A stop string wholly inside `segment` is the engine's
+    to find (it ends that request), so only split ones are looked for.
+    """
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        if len(stop) < 2:
+            continue
+        tail = previous[-(len(stop) - 1) :]
+        # An occurrence starting in the tail (shorter than the stop) must end in the segment.
+        start = (tail + segment[: len(stop) - 1]).find(stop)
+        if 0 <= start < len(tail):
+            end = start + len(stop) - len(tail)  # in segment characters
+            if best is None or end < best[0]:
+                best = (end, stop)
+    return best
+
+
+def tokens_through(text_offsets: Sequence[int], characters: int) -> int:
+    """How many tokens it takes to cover the first `characters` of a completion's text
+    (`text_offsets`: where each token's text starts, as vLLM reports with logprobs)."""
+    return sum(1 for offset in text_offsets if offset < characters)
 
 
 def reserve(engine: EngineState, request: TurnRequest) -> int:

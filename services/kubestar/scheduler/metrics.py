@@ -68,6 +68,11 @@ class SchedulerMetrics:
         self.retried = Counter(
             f"{PREFIX}_retried", "Turns sent again after their engine failed", registry=r
         )
+        self.segments = Counter(
+            f"{PREFIX}_segments",
+            "Turn segments that ended with the turn still going (kv-aware: segment_tokens)",
+            registry=r,
+        )
         self.completed = Counter(f"{PREFIX}_completed", "Turns generated", registry=r)
         self.failed = Counter(
             f"{PREFIX}_failed", "Turns that ended in an error, by reason", ["reason"], registry=r

@@ -2,8 +2,12 @@
 
 Each turn waits in one FIFO queue until the policy (`kubestar.scheduler.core`) finds it an
 engine; it then holds a reservation of prompt + max new tokens on that engine until it
-finishes. Every engine is scraped (/metrics) every `poll_interval` seconds; between scrapes
-the scheduler's own bookkeeping (reservations, released blocks) keeps the picture current.
+finishes. Under kv-aware a turn longer than `segment_tokens` runs in segments: each reserves
+only its own context + new tokens, and the next one is queued ahead of new turns (same engine
+while it has room). Segments are invisible to callers: one turn, one response.
+
+Every engine is scraped (/metrics) every `poll_interval` seconds; between scrapes the
+scheduler's own bookkeeping (reservations, released blocks) keeps the picture current.
 
 Failures: a turn whose engine cannot be reached (connection refused or reset, HTTP 5xx,
 timeout) takes that engine out, and every turn in flight there is sent again elsewhere. An
@@ -24,7 +28,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kubestar.engine.client import Completion, EngineClient, EngineError
 from kubestar.scheduler.core import (
@@ -37,9 +41,12 @@ from kubestar.scheduler.core import (
     TurnRequest,
     apply_sample,
     check_fits,
+    find_split_stop,
     parse_vllm_metrics,
     plan_admissions,
     release,
+    segment_new_tokens,
+    tokens_through,
 )
 from kubestar.scheduler.metrics import SchedulerMetrics
 from kubestar.v1 import rollout_pb2 as pb
@@ -93,14 +100,22 @@ class SchedulerConfig:
     affinity_limit: int = 100_000
     # How long start() and add_engine() wait for the first probe of an engine.
     startup_timeout: float = 10.0
+    # kv-aware: the most new tokens one admission reserves room for; a longer turn runs in
+    # segments of this size (0: the whole turn at once). Best a multiple of the block size.
+    segment_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.segment_tokens < 0:
+            raise ValueError("segment_tokens must be 0 (whole turns) or more")
 
 
 @dataclass(eq=False)
 class _Turn:
+    # The whole turn (prompt + every new token it may generate).
+    whole: TurnRequest
+    # What the policy admits next: the whole turn, or its next segment.
     request: TurnRequest
     prompt_token_ids: list[int]
     sampling: pb.SamplingParams
@@ -108,11 +123,21 @@ class _Turn:
     arrived: float
     queued_since: float
     queue_seconds: float = 0.0
+    generate_seconds: float = 0.0
     attempts: int = 0
     reserved: int = 0
     task: asyncio.Task[None] | None = None
     # Set before cancelling the turn's task when its engine failed or was removed.
     retry_on_cancel: bool = False
+    # What the segments done so far generated.
+    segments: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def remaining(self) -> int:
+        return self.whole.max_new_tokens - len(self.token_ids)
 
 
 @dataclass(eq=False)
@@ -145,6 +170,8 @@ class Scheduler:
         self.config = config or SchedulerConfig()
         self.policy_name = self.config.policy
         self.policy = POLICIES[self.config.policy]
+        # Only kv-aware reserves room, so only it gains from segments.
+        self.segment_tokens = self.config.segment_tokens if self.policy_name == KV_AWARE else 0
         self.metrics = metrics or SchedulerMetrics()
         self.metrics.watch_engines(lambda: [e.state for e in self._engines.values()])
         self.on_availability: Callable[[bool], None] | None = None
@@ -210,7 +237,7 @@ class Scheduler:
         if max_new_tokens <= 0:
             raise TurnRejected("max_new_tokens must be at least 1")
         now = time.monotonic()
-        request = TurnRequest(
+        whole = TurnRequest(
             trajectory_id=trajectory_id,
             prompt_tokens=len(prompt_token_ids),
             max_new_tokens=max_new_tokens,
@@ -221,12 +248,15 @@ class Scheduler:
             self.metrics.failed.labels("no-engine").inc()
             raise NoEngineAvailable(self._no_engine_message())
         try:
-            check_fits(self._states(), request)
+            check_fits(self._states(), whole)
         except ValueError:
             self.metrics.failed.labels("too-large").inc()
             raise
         turn = _Turn(
-            request=request,
+            whole=whole,
+            request=replace(
+                whole, max_new_tokens=self._segment(max_new_tokens, len(prompt_token_ids))
+            ),
             prompt_token_ids=list(prompt_token_ids),
             sampling=sampling if sampling is not None else pb.SamplingParams(),
             future=asyncio.get_running_loop().create_future(),
@@ -270,11 +300,14 @@ class Scheduler:
             if self._recheck_fits:
                 self._recheck_fits = False
                 self._fail_unfit()
-            if self._paused:
+            # While weights are being replaced only turns already under way go on (their
+            # next segments), so that no turn mixes two versions of the weights.
+            candidates = [t for t in self._queue if t.segments] if self._paused else self._queue
+            if not candidates:
                 return
             now = time.monotonic()
             plan = plan_admissions(
-                [t.request for t in self._queue],
+                [t.request for t in candidates],
                 self._states(),
                 self.policy,
                 now,
@@ -295,7 +328,7 @@ class Scheduler:
         keep: deque[_Turn] = deque()
         for turn in self._queue:
             try:
-                check_fits(states, turn.request)
+                check_fits(states, turn.whole)
             except ValueError as error:
                 self._fail(turn, error, "too-large")
             else:
@@ -304,7 +337,7 @@ class Scheduler:
 
     def _start(self, turn: _Turn, engine: _Engine, now: float) -> None:
         turn.reserved = engine.state.need(turn.request)
-        turn.attempts += 1
+        turn.attempts = max(turn.attempts, 1)
         turn.queue_seconds += now - turn.queued_since
         self._set_affinity(turn.request.trajectory_id, engine)
         engine.turns.add(turn)
@@ -316,17 +349,20 @@ class Scheduler:
 
     async def _run(self, turn: _Turn, engine: _Engine) -> None:
         sampling = turn.sampling
+        context = turn.prompt_token_ids + turn.token_ids if turn.segments else turn.prompt_token_ids
         started = time.monotonic()
         try:
             completion = await engine.client.complete(
-                turn.prompt_token_ids,
+                context,
                 turn.request.max_new_tokens,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p or 1.0,
                 top_k=sampling.top_k,
                 stop=list(sampling.stop) or None,
-                seed=sampling.seed or None,
-                logprobs=sampling.logprobs,
+                # A seeded turn stays reproducible; each segment draws its own stream.
+                seed=(sampling.seed + turn.segments) if sampling.seed else None,
+                # Token offsets find a stop string split across segments.
+                logprobs=sampling.logprobs or bool(turn.segments and sampling.stop),
             )
         except asyncio.CancelledError:
             self._finish(turn, engine, 0)
@@ -358,33 +394,65 @@ class Scheduler:
             self._fail(turn, SchedulerError(f"engine {engine.state.name}: {error!r}"), "internal")
             self._dispatch()
             return
-        generate_seconds = time.monotonic() - started
-        self._finish(turn, engine, turn.request.prompt_tokens + len(completion.token_ids))
-        if not turn.future.done():
-            turn.future.set_result(self._response(turn, engine, completion, generate_seconds))
+        now = time.monotonic()
+        turn.generate_seconds += now - started
+        self._finish(turn, engine, len(context) + len(completion.token_ids))
+        finish_reason, stop_reason = self._take_segment(turn, completion)
+        if finish_reason == "length" and turn.remaining > 0 and not turn.future.done():
+            # Only a segment ended: the rest of the turn goes first in the queue.
+            context_tokens = turn.whole.prompt_tokens + len(turn.token_ids)
+            turn.request = replace(
+                turn.whole,
+                prompt_tokens=context_tokens,
+                max_new_tokens=self._segment(turn.remaining, context_tokens),
+                enqueued_at=now,
+            )
+            turn.queued_since = now
+            self._queue.appendleft(turn)
+            self.metrics.segments.inc()
+        elif not turn.future.done():
+            turn.future.set_result(self._response(turn, engine, finish_reason, stop_reason))
             self.metrics.completed.inc()
             self.metrics.queue_seconds.observe(turn.queue_seconds)
-            self.metrics.generate_seconds.observe(generate_seconds)
-            self.metrics.turn_seconds.observe(time.monotonic() - turn.arrived)
+            self.metrics.generate_seconds.observe(turn.generate_seconds)
+            self.metrics.turn_seconds.observe(now - turn.arrived)
         self._dispatch()
 
+    def _segment(self, remaining: int, context_tokens: int) -> int:
+        """New tokens for a turn's next admission: all, or a segment ending on a block."""
+        block_size = max((e.state.block_size for e in self._engines.values()), default=0)
+        return segment_new_tokens(remaining, self.segment_tokens, context_tokens, block_size)
+
+    def _take_segment(self, turn: _Turn, completion: Completion) -> tuple[str, str]:
+        """Append a segment's output to the turn; returns its finish and stop reasons."""
+        token_ids, text, logprobs = completion.token_ids, completion.text, completion.logprobs
+        finish_reason, stop_reason = completion.finish_reason, completion.stop_reason
+        split = find_split_stop(turn.text, text, turn.sampling.stop) if turn.segments else None
+        if split is not None and finish_reason == "length":
+            characters, stop_reason = split
+            keep = tokens_through(completion.text_offsets, characters)
+            token_ids, text, logprobs = token_ids[:keep], text[:characters], logprobs[:keep]
+            finish_reason = "stop"
+        turn.segments += 1
+        turn.token_ids += token_ids
+        turn.text += text
+        if turn.sampling.logprobs:
+            turn.logprobs += logprobs
+        return finish_reason, stop_reason
+
     def _response(
-        self, turn: _Turn, engine: _Engine, completion: Completion, generate_seconds: float
+        self, turn: _Turn, engine: _Engine, finish_reason: str, stop_reason: str
     ) -> pb.GenerateResponse:
-        finish = (
-            pb.FINISH_REASON_LENGTH
-            if completion.finish_reason == "length"
-            else pb.FINISH_REASON_STOP
-        )
+        finish = pb.FINISH_REASON_LENGTH if finish_reason == "length" else pb.FINISH_REASON_STOP
         return pb.GenerateResponse(
-            token_ids=completion.token_ids,
-            text=completion.text,
-            logprobs=completion.logprobs,
+            token_ids=turn.token_ids,
+            text=turn.text,
+            logprobs=turn.logprobs,
             finish_reason=finish,
-            stop_reason=completion.stop_reason,
+            stop_reason=stop_reason,
             engine=engine.state.name,
             queue_ms=turn.queue_seconds * 1000.0,
-            generate_ms=generate_seconds * 1000.0,
+            generate_ms=turn.generate_seconds * 1000.0,
             attempts=turn.attempts,
             weights_version=engine.state.weights_version,
         )
@@ -411,6 +479,7 @@ class Scheduler:
                 "attempts",
             )
             return
+        turn.attempts += 1
         turn.queued_since = time.monotonic()
         self._queue.appendleft(turn)
         self.retried_total += 1
@@ -653,7 +722,7 @@ class Scheduler:
             self._paused = True
             try:
                 waited = time.monotonic()
-                while self._in_flight():
+                while self._in_flight() or any(t.segments for t in self._queue):
                     self._turn_done.clear()
                     await self._turn_done.wait()
                 waited = time.monotonic() - waited

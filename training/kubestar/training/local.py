@@ -140,6 +140,8 @@ class LocalStack:
                 fleet.scheduler.policy,
                 "--poll-interval",
                 str(fleet.scheduler.metrics_interval_seconds),
+                "--segment-tokens",
+                str(fleet.scheduler.segment_tokens),
                 *engine_args,
             ],
         )
