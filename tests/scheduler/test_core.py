@@ -169,6 +169,20 @@ def test_kv_aware_keeps_a_trajectory_on_its_engine_while_it_has_room() -> None:
     assert kv_aware([a, b], turn(trajectory="t1")) is b
 
 
+def test_kv_aware_leaves_the_prefix_for_a_much_less_crowded_engine() -> None:
+    # The end of a batch, or a slow engine: three turns still run on a, none on b.
+    a = engine("a", reserved_tokens=1024, in_flight=3)
+    b = engine("b")
+    a.trajectories.add("t1")
+    assert kv_aware([a, b], turn(trajectory="t1")) is b
+    # Two against one is no reason to give up the prefix (nor 8 against 6, or 100 against 80).
+    for ours, theirs in ((2, 1), (8, 6), (100, 80)):
+        a.in_flight, b.in_flight = ours, theirs
+        assert kv_aware([a, b], turn(trajectory="t1")) is a, (ours, theirs)
+    a.in_flight, b.in_flight = 100, 70
+    assert kv_aware([a, b], turn(trajectory="t1")) is b
+
+
 def test_kv_aware_skips_unhealthy_removed_and_unknown_engines() -> None:
     dead = engine("dead", healthy=False)
     removing = engine("removing", removing=True)

@@ -41,8 +41,9 @@ finished after the last sample still shows in `kv_usage`, so its blocks are subt
 (`released_since_sample`) until the next sample shows them gone.
 
 Choice: the engine that holds the trajectory's prefix (its previous turn's engine) while it has
-room; otherwise the engine with the most free tokens (ties: fewer waiting in vLLM, fewer in
-flight, then list order).
+room and is not crowded (another engine with room runs under three quarters as many turns, as
+at the end of a batch or beside a slower engine); otherwise the engine with the most free
+tokens (ties: fewer waiting in vLLM, fewer in flight, then list order).
 
 Segments: a long turn is admitted in segments of at most `segment_tokens` new tokens, each
 reserving only its context + segment; the next segment is queued ahead of new turns and keeps
@@ -76,6 +77,10 @@ ROUND_ROBIN = "round-robin"
 # fitting it): that engine admits nothing behind it and drains until it fits, so a big turn
 # is never starved; the other engines keep admitting.
 DEFAULT_STARVATION_SECONDS = 5.0
+
+# kv-aware keeps a trajectory on its engine unless another engine that has room runs fewer
+# than this share of its turns (minus one): 3 vs 0, 8 vs 4, 100 vs 73 move; 4 vs 2 stays.
+AFFINITY_LOAD_RATIO = 0.75
 
 
 class RequestTooLarge(ValueError):
@@ -208,15 +213,26 @@ def _affine(engines: Iterable[EngineState], request: TurnRequest) -> EngineState
 
 
 def kv_aware(engines: Sequence[EngineState], request: TurnRequest) -> EngineState | None:
-    """Prefix affinity while it has room, else most free KV; None (queue) when nothing fits."""
+    """Prefix affinity while it has room and is not crowded, else most free KV; None (queue)
+    when nothing fits."""
     candidates = [e for e in engines if e.admitting and e.fits(request)]
     if not candidates:
         return None
     affine = _affine(candidates, request)
-    if affine is not None:
+    if affine is not None and not _crowded(affine, candidates):
         return affine
     order = {id(e): i for i, e in enumerate(candidates)}
     return min(candidates, key=lambda e: (-e.free_tokens, e.waiting, e.in_flight, order[id(e)]))
+
+
+def _crowded(engine: EngineState, candidates: Sequence[EngineState]) -> bool:
+    """Another engine with room runs far fewer turns: leaving the prefix is worth it.
+
+    Reusing the prefix saves a prefill (cheap next to decoding); staying on an engine that
+    runs many more turns than another costs decode speed for the rest of the turn, and at
+    the end of a batch, or on a slower engine, it leaves the other engines idle."""
+    lightest = min(e.in_flight for e in candidates)
+    return lightest < AFFINITY_LOAD_RATIO * engine.in_flight - 1
 
 
 def least_requests(engines: Sequence[EngineState], request: TurnRequest) -> EngineState | None:
