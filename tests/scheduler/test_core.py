@@ -18,6 +18,7 @@ from kubestar.scheduler.core import (
     least_requests,
     parse_vllm_metrics,
     plan_admissions,
+    record_decode,
     release,
     reserve,
     round_robin,
@@ -181,6 +182,20 @@ def test_kv_aware_leaves_the_prefix_for_a_much_less_crowded_engine() -> None:
         assert kv_aware([a, b], turn(trajectory="t1")) is a, (ours, theirs)
     a.in_flight, b.in_flight = 100, 70
     assert kv_aware([a, b], turn(trajectory="t1")) is b
+
+
+def test_kv_aware_leaves_the_prefix_for_a_much_faster_engine() -> None:
+    slow, fast = engine("slow", in_flight=2), engine("fast", in_flight=2)
+    slow.trajectories.add("t1")
+    for tokens, seconds in ((64, 1.0), (64, 1.0), (8, 0.01)):  # 8 tokens: too few to count
+        record_decode(slow, tokens, seconds)
+    assert slow.decode_rate == 64.0
+    assert kv_aware([slow, fast], turn(trajectory="t1")) is slow  # fast: not measured yet
+    record_decode(fast, 80, 1.0)
+    assert kv_aware([slow, fast], turn(trajectory="t1")) is slow  # 80 vs 64: not worth it
+    record_decode(fast, 200, 1.0)  # 80 + 0.3 * (200 - 80) = 116 tokens/s
+    assert fast.decode_rate == pytest.approx(116.0)
+    assert kv_aware([slow, fast], turn(trajectory="t1")) is fast
 
 
 def test_kv_aware_skips_unhealthy_removed_and_unknown_engines() -> None:

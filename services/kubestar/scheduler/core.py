@@ -42,8 +42,8 @@ finished after the last sample still shows in `kv_usage`, so its blocks are subt
 
 Choice: the engine that holds the trajectory's prefix (its previous turn's engine) while it has
 room and is not crowded (another engine with room runs under three quarters as many turns, as
-at the end of a batch or beside a slower engine); otherwise the engine with the most free
-tokens (ties: fewer waiting in vLLM, fewer in flight, then list order).
+at the end of a batch, or decodes 1.5x as fast, as beside a slower engine); otherwise the
+engine with the most free tokens (ties: fewer waiting in vLLM, fewer in flight, list order).
 
 Segments: a long turn is admitted in segments of at most `segment_tokens` new tokens, each
 reserving only its context + segment; the next segment is queued ahead of new turns and keeps
@@ -81,6 +81,12 @@ DEFAULT_STARVATION_SECONDS = 5.0
 # kv-aware keeps a trajectory on its engine unless another engine that has room runs fewer
 # than this share of its turns (minus one): 3 vs 0, 8 vs 4, 100 vs 73 move; 4 vs 2 stays.
 AFFINITY_LOAD_RATIO = 0.75
+# ... or unless another engine with room decodes a sequence this many times as fast (measured).
+AFFINITY_SPEED_RATIO = 1.5
+# Decode-rate samples: weight of the newest, and the fewest tokens a sample needs (shorter
+# generations are mostly request overhead).
+DECODE_RATE_WEIGHT = 0.3
+DECODE_RATE_MIN_TOKENS = 16
 
 
 class RequestTooLarge(ValueError):
@@ -142,6 +148,8 @@ class EngineState:
     released_since_sample: int = 0
     trajectories: set[str] = field(default_factory=set)
     weights_version: int = 0
+    # Tokens per second one sequence decodes at here, from the turns it finished (0: unknown).
+    decode_rate: float = 0.0
 
     @property
     def admitting(self) -> bool:
@@ -219,8 +227,12 @@ def kv_aware(engines: Sequence[EngineState], request: TurnRequest) -> EngineStat
     if not candidates:
         return None
     affine = _affine(candidates, request)
-    if affine is not None and not _crowded(affine, candidates):
-        return affine
+    if affine is not None:
+        fastest = max(candidates, key=lambda e: e.decode_rate)
+        if affine.decode_rate and fastest.decode_rate >= AFFINITY_SPEED_RATIO * affine.decode_rate:
+            return fastest
+        if not _crowded(affine, candidates):
+            return affine
     order = {id(e): i for i, e in enumerate(candidates)}
     return min(candidates, key=lambda e: (-e.free_tokens, e.waiting, e.in_flight, order[id(e)]))
 
@@ -229,10 +241,19 @@ def _crowded(engine: EngineState, candidates: Sequence[EngineState]) -> bool:
     """Another engine with room runs far fewer turns: leaving the prefix is worth it.
 
     Reusing the prefix saves a prefill (cheap next to decoding); staying on an engine that
-    runs many more turns than another costs decode speed for the rest of the turn, and at
-    the end of a batch, or on a slower engine, it leaves the other engines idle."""
+    runs many more turns than another (or, `kv_aware`, is much slower) costs decode speed for
+    the rest of the turn, and at the end of a batch it leaves the other engines idle."""
     lightest = min(e.in_flight for e in candidates)
     return lightest < AFFINITY_LOAD_RATIO * engine.in_flight - 1
+
+
+def record_decode(engine: EngineState, tokens: int, seconds: float) -> None:
+    """A generation of `tokens` took `seconds` here: update the engine's decode rate."""
+    if tokens < DECODE_RATE_MIN_TOKENS or seconds <= 0:
+        return
+    rate = tokens / seconds
+    old = engine.decode_rate
+    engine.decode_rate = rate if not old else old + DECODE_RATE_WEIGHT * (rate - old)
 
 
 def least_requests(engines: Sequence[EngineState], request: TurnRequest) -> EngineState | None:

@@ -44,6 +44,7 @@ from kubestar.scheduler.core import (
     find_split_stop,
     parse_vllm_metrics,
     plan_admissions,
+    record_decode,
     release,
     segment_new_tokens,
     tokens_through,
@@ -396,6 +397,7 @@ class Scheduler:
             return
         now = time.monotonic()
         turn.generate_seconds += now - started
+        record_decode(engine.state, len(completion.token_ids), now - started)
         self._finish(turn, engine, len(context) + len(completion.token_ids))
         finish_reason, stop_reason = self._take_segment(turn, completion)
         if finish_reason == "length" and turn.remaining > 0 and not turn.future.done():
