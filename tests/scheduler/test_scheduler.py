@@ -503,3 +503,19 @@ async def test_a_segmented_turn_whose_engine_dies_goes_on_elsewhere(
     assert response.engine == "e1" and response.attempts == 2
     # The other engine went on from the tokens the first one had generated.
     assert fakes[1].requests[0][0] > len(PROMPT)
+
+
+async def test_a_split_stop_string_wins_over_a_later_one_in_the_same_segment(
+    make_scheduler: MakeScheduler,
+) -> None:
+    # The second segment ends on "STOP" (the engine's find), but "</tool_call>" split across
+    # the boundary ended first.
+    engine = await FakeEngine(script="0123456789</tool_call>xSTOPafter").start()
+    try:
+        scheduler = await make_scheduler([engine], segment_tokens=12)
+        stop = pb.SamplingParams(stop=["</tool_call>", "STOP"])
+        response = await scheduler.generate("t0", [1], 64, stop)
+        assert response.text == "123456789</tool_call>"
+        assert response.stop_reason == "</tool_call>"
+    finally:
+        await engine.stop()

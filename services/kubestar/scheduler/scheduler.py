@@ -430,11 +430,16 @@ class Scheduler:
         token_ids, text, logprobs = completion.token_ids, completion.text, completion.logprobs
         finish_reason, stop_reason = completion.finish_reason, completion.stop_reason
         split = find_split_stop(turn.text, text, turn.sampling.stop) if turn.segments else None
-        if split is not None and finish_reason == "length":
+        # It counts if it ends no later than where the engine stopped (its own stop string or
+        # the end of sequence may come first).
+        if split is not None and split[0] <= len(text):
             characters, stop_reason = split
-            keep = tokens_through(completion.text_offsets, characters)
-            token_ids, text, logprobs = token_ids[:keep], text[:characters], logprobs[:keep]
             finish_reason = "stop"
+            if len(completion.text_offsets) == len(token_ids):
+                keep = tokens_through(completion.text_offsets, characters)
+                token_ids, text, logprobs = token_ids[:keep], text[:characters], logprobs[:keep]
+            else:  # an engine without offsets: keep what came after, but end the turn
+                log.warning("no token offsets to cut a split stop string at")
         turn.segments += 1
         turn.token_ids += token_ids
         turn.text += text
