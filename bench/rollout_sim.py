@@ -15,7 +15,9 @@ Model
   preempted (its KV freed; it goes back to the front of the waiting queue and recomputes its
   prompt plus the tokens generated so far when resumed), as vLLM V1 does.
   Steps are simulated in chunks of up to `--chunk` steps (no sequence finishes and no block
-  overflows inside a chunk); arrivals join at the next chunk boundary.
+  overflows inside a chunk); arrivals join at the next chunk boundary. Keep chunks short
+  (default 4): a turn kv-aware admits holds its reserved blocks unused until the boundary,
+  and at 16 steps that alone made kv-aware look ~10% slower than the real bench.
 * Prefix cache: a turn that lands on the engine that ran the trajectory's previous turn
   prefills only the new tokens (previous output + tool output); elsewhere the whole context.
 * Trajectory: prompt, then turns with long-tailed (lognormal) output lengths; between turns a
@@ -93,7 +95,7 @@ class SimConfig:
     tool_s: float = 0.3
     tool_tokens_min: int = 20
     tool_tokens_max: int = 300
-    chunk: int = 16
+    chunk: int = 4
     window: int = 256
     starvation_s: float = 5.0
     # kv-aware admits long turns in segments of this many new tokens (0: whole turns).
