@@ -1,0 +1,262 @@
+"""The executor process, part one: isolate once, then become the zygote.
+
+Started by the worker as `python -m kubestar.sandbox.isolation` with a scrubbed environment
+and one end of a socketpair. Isolation is paid once per executor, not per call:
+
+- as root: new network, mount, PID, IPC and UTS namespaces. The zygote becomes PID 1 of its
+  namespace, so after a call it can kill every process the call left behind with one
+  `kill(-1)`; the call sees only its own processes in /proc, no network interfaces but a down
+  loopback, and private empty tmpfs on /tmp, /var/tmp, /dev/shm and over secret paths.
+  Each call runs as this executor's own unprivileged uid, so it cannot signal the zygote,
+  read the service's environment or files, or touch another executor's calls.
+- not root: a user + network namespace where the kernel allows it (no network), else nothing;
+  the worker logs which isolation is active.
+
+Then it execs zygote.py, a fresh interpreter that keeps the namespaces, mounts, CPU affinity
+and subreaper flag but none of this stage's modules (argparse, ctypes, ...): every call forks
+the zygote, and each page of its heap costs the fork, the call's exit and the zygote's own
+writes after the fork, so the zygote imports only what it serves with (see zygote.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import marshal
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_NOEXEC = 0x8
+MS_REMOUNT = 0x20
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_PRIVATE = 0x40000
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+# Paths that commonly hold credentials; hidden behind an empty tmpfs when they exist.
+# Root's home holds kubeconfigs, cloud and SSH credentials; the others are Kubernetes' and
+# Docker's secret mounts.
+SECRET_PATHS = ("/var/run/secrets", "/run/secrets", "/root")
+PRIVATE_TMPFS = ("/tmp", "/var/tmp", "/dev/shm")
+ZYGOTE_SCRIPT = Path(__file__).with_name("zygote.py")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+
+def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None) -> None:
+    _check(
+        _libc.mount(
+            source.encode(),
+            target.encode(),
+            fstype.encode() if fstype else None,
+            ctypes.c_ulong(flags),
+            data.encode() if data else None,
+        ),
+        f"mount {target}",
+    )
+
+
+class Isolation:
+    """What this executor achieved; reported to the worker, which logs it."""
+
+    def __init__(self) -> None:
+        self.network = False
+        self.pid_namespace = False
+        self.mount_namespace = False
+        self.separate_uid = False
+        self.notes: list[str] = []
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "network": self.network,
+            "pid_namespace": self.pid_namespace,
+            "mount_namespace": self.mount_namespace,
+            "separate_uid": self.separate_uid,
+            "notes": self.notes,
+        }
+
+
+def isolate(uid: int, hidden_paths: list[str]) -> Isolation:
+    """Enter namespaces. As root this forks: the caller continues as PID 1 of a new namespace."""
+    isolation = Isolation()
+    if os.geteuid() == 0:
+        flags = CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
+        if _libc.unshare(flags) != 0:
+            isolation.notes.append(f"unshare failed: {os.strerror(ctypes.get_errno())}")
+        else:
+            _become_namespace_init()
+            isolation.network = True
+            isolation.pid_namespace = True
+            _setup_mounts(isolation, hidden_paths)
+        isolation.separate_uid = uid > 0
+        if not isolation.separate_uid:
+            isolation.notes.append("no unprivileged uid configured: calls run as root")
+        return isolation
+
+    isolation.notes.append("not root: calls run as the service's uid")
+    real_uid, real_gid = os.getuid(), os.getgid()
+    if _libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0:
+        for path, text in (
+            ("/proc/self/setgroups", "deny"),
+            ("/proc/self/uid_map", f"{real_uid} {real_uid} 1"),
+            ("/proc/self/gid_map", f"{real_gid} {real_gid} 1"),
+        ):
+            with open(path, "w") as handle:
+                handle.write(text)
+        isolation.network = True
+    else:
+        isolation.notes.append(
+            "user namespaces unavailable "
+            f"({os.strerror(ctypes.get_errno())}): calls can reach the network"
+        )
+    # Orphans of a call re-parent to the zygote so it can reap and kill them.
+    _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    return isolation
+
+
+def _become_namespace_init() -> None:
+    """Fork after unshare(CLONE_NEWPID): the child is PID 1; the parent only relays its exit."""
+    pid = os.fork()
+    if pid == 0:
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        return
+    # The outer process: holds nothing, waits, and mirrors the inner zygote's fate.
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, signal.SIGKILL))
+    _, status = os.waitpid(pid, 0)
+    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+
+
+def _runtime_paths() -> list[str]:
+    """Directories the calls' Python needs: its prefixes and import path (top-most only)."""
+    candidates = {
+        sys.base_prefix,
+        sys.prefix,
+        sys.exec_prefix,
+        sys.base_exec_prefix,
+        *(p for p in sys.path if p),
+    }
+    paths = sorted(os.path.realpath(p) for p in candidates if os.path.isdir(p))
+    top: list[str] = []
+    for path in paths:
+        if not any(path == kept or path.startswith(kept + "/") for kept in top):
+            top.append(path)
+    return top
+
+
+def _cover(path: str, options: str, read_only: bool) -> None:
+    """Mount an empty tmpfs over `path`, keeping the Python runtime inside it visible read-only.
+
+    Hiding root's home (where kubeconfigs and cloud credentials live) or giving calls a private
+    /tmp would otherwise also hide an interpreter or virtualenv installed there (pyenv under
+    /root, a checkout under /tmp).
+    """
+    inside = [p for p in _runtime_paths() if p.startswith(path.rstrip("/") + "/")]
+    # Hold the runtime directories open: once the tmpfs covers them, /proc/self/fd/N still
+    # names them as bind-mount sources.
+    handles = [os.open(p, os.O_PATH | os.O_DIRECTORY) for p in inside]
+    try:
+        _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, options)
+        for runtime, handle in zip(inside, handles, strict=True):
+            os.makedirs(runtime, mode=0o755, exist_ok=True)
+            _mount(f"/proc/self/fd/{handle}", runtime, None, MS_BIND | MS_REC, None)
+            _mount("none", runtime, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_REC, None)
+        if read_only:
+            _mount("none", path, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
+    finally:
+        for handle in handles:
+            os.close(handle)
+
+
+def _runtime_entries(directory: str) -> list[str]:
+    """Top-level entries of `directory` that lead to the Python runtime (kept between calls)."""
+    prefix = directory.rstrip("/") + "/"
+    return sorted(
+        {prefix + p[len(prefix) :].split("/", 1)[0] for p in _runtime_paths() if p.startswith(prefix)}
+    )
+
+
+def _setup_mounts(isolation: Isolation, hidden_paths: list[str]) -> None:
+    try:
+        # Nothing mounted here propagates back to the host.
+        _mount("none", "/", None, MS_REC | MS_PRIVATE, None)
+        isolation.mount_namespace = True
+        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+        for path in PRIVATE_TMPFS:
+            if os.path.isdir(path):
+                _cover(path, "size=256m,mode=1777", read_only=False)
+        for path in [*SECRET_PATHS, *hidden_paths]:
+            if os.path.isdir(path):
+                _cover(path, "size=64k,mode=0755", read_only=True)
+            elif os.path.isfile(path):
+                _mount("/dev/null", path, None, MS_BIND, None)
+    except OSError as error:
+        isolation.notes.append(f"mount setup incomplete: {error}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--fd", type=int, required=True, help="control socket file descriptor")
+    parser.add_argument("--uid", type=int, default=0, help="unprivileged uid for calls (as root)")
+    parser.add_argument("--preload", default="", help="comma-separated modules to pre-import")
+    parser.add_argument("--warmup", default="", help="code run once after the imports")
+    parser.add_argument("--hide", action="append", default=[], help="extra path to hide")
+    parser.add_argument("--no-isolation", action="store_true")
+    parser.add_argument("--max-processes", type=int, default=32)
+    parser.add_argument("--max-file-bytes", type=int, default=64 * 1024 * 1024)
+    parser.add_argument("--max-open-files", type=int, default=256)
+    parser.add_argument("--cpu", type=int, default=-1, help="run (with all calls) on this CPU")
+    args = parser.parse_args()
+    if args.cpu >= 0:
+        with contextlib.suppress(OSError):  # a CPU gone offline: run anywhere
+            os.sched_setaffinity(0, {args.cpu})
+
+    if args.no_isolation:
+        isolation = Isolation()
+        isolation.notes.append("isolation disabled by configuration")
+        _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    else:
+        isolation = isolate(args.uid, args.hide)
+    settings: dict[str, Any] = {
+        "uid": args.uid,
+        "preload": [m for m in args.preload.split(",") if m],
+        "warmup": args.warmup,
+        "max_processes": args.max_processes,
+        "max_file_bytes": args.max_file_bytes,
+        "max_open_files": args.max_open_files,
+        "isolation": isolation.as_dict(),
+        # Emptied after each call except for these (the runtime shown through a private tmpfs).
+        "private_tmpfs": {p: _runtime_entries(p) for p in PRIVATE_TMPFS}
+        if isolation.mount_namespace
+        else {},
+    }
+    os.set_inheritable(args.fd, True)
+    # Without site (and its import hooks) when nothing is preloaded: a smaller zygote. The
+    # import path comes from PYTHONPATH either way.
+    flags = [] if settings["preload"] else ["-S"]
+    os.execv(
+        sys.executable,
+        [sys.executable, *flags, str(ZYGOTE_SCRIPT), str(args.fd), marshal.dumps(settings).hex()],
+    )
+
+
+if __name__ == "__main__":
+    main()
