@@ -96,3 +96,37 @@ def test_routing_matches_whole_module_names() -> None:
     assert executor.process_for("print(sum(range(10)))").light is True
     without = Executor(0, ExecutorConfig(light=False, pin_cpus=False))
     assert without.light is None and without.process_for("print(1)").light is False
+
+
+def test_the_light_zygote_is_lean(default_client: SandboxClient) -> None:
+    # Each module the zygote holds is paid for by every call it forks (see zygote.py).
+    result = default_client.execute(
+        "import sys\n"
+        "heavy = {'argparse', 'ctypes', 'typing', 'site', 'asyncio', 'grpc', 'kubestar'}\n"
+        "print(sorted(heavy & set(sys.modules)), sys.flags.no_site)\n"
+    )
+    assert (result.status, result.stdout) == (pb.EXECUTION_STATUS_OK, "[] 1\n"), result
+    assert result.executor == "worker/executor-0/light"
+
+
+@pytest.mark.parametrize("preload", ["", "import numpy\n"], ids=["light", "preloaded"])
+def test_each_call_has_its_own_state(default_client: SandboxClient, preload: str) -> None:
+    code = preload + (
+        "import os, random, sys\n"
+        "print(random.random(), sys.path[0] == os.getcwd(), sys.argv)\n"
+        "print(any(p.endswith('kubestar/sandbox') for p in sys.path))\n"
+    )
+    first, second = default_client.execute_batch([code, code])
+    assert first.status == second.status == pb.EXECUTION_STATUS_OK, (first, second)
+    draw_1, rest_1 = first.stdout.split(" ", 1)
+    draw_2, rest_2 = second.stdout.split(" ", 1)
+    assert draw_1 != draw_2  # the random module is reseeded in each forked call
+    assert rest_1 == rest_2 == "True ['<tool_call>']\nFalse\n"
+
+
+@pytest.mark.parametrize("preload", ["", "import numpy\n"], ids=["light", "preloaded"])
+def test_compile_warnings_reach_the_call(default_client: SandboxClient, preload: str) -> None:
+    # Small code is compiled by the zygote before the fork; a warning must still be the call's.
+    result = default_client.execute(preload + "x = 5\nprint(x is 5)\n")
+    assert (result.status, result.stdout) == (pb.EXECUTION_STATUS_OK, "True\n"), result
+    assert "SyntaxWarning" in result.stderr and '"is" with a literal' in result.stderr

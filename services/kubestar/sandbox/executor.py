@@ -31,11 +31,6 @@ EXECUTOR_ENV = {
     "MKL_NUM_THREADS": "1",
     "MPLBACKEND": "Agg",
 }
-# For the preloading zygote only. Fork cost grows with the zygote's page tables: glibc malloc
-# on transparent huge pages maps the pre-imported heap with far fewer entries (measured:
-# fork+exit 2.4 -> 1.3 ms with numpy and sympy loaded). The light zygote's heap is a few MiB:
-# Python's own allocator packs it into fewer pages (measured: 1.35 -> 1.25 ms a call).
-PRELOAD_ENV = {"PYTHONMALLOC": "malloc", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 # How much longer than the call's own timeout the worker waits for the zygote's answer.
 ANSWER_GRACE_SECONDS = 5.0
 START_TIMEOUT_SECONDS = 120.0
@@ -124,7 +119,7 @@ class ZygoteProcess:
             args += ["--hide", path]
         if not self.config.isolation:
             args.append("--no-isolation")
-        env = dict(EXECUTOR_ENV) if self.light else {**EXECUTOR_ENV, **PRELOAD_ENV}
+        env = dict(EXECUTOR_ENV)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         self.process = await asyncio.create_subprocess_exec(
             *args,

@@ -190,7 +190,11 @@ def _runtime_entries(directory: str) -> list[str]:
     """Top-level entries of `directory` that lead to the Python runtime (kept between calls)."""
     prefix = directory.rstrip("/") + "/"
     return sorted(
-        {prefix + p[len(prefix) :].split("/", 1)[0] for p in _runtime_paths() if p.startswith(prefix)}
+        {
+            prefix + p[len(prefix) :].split("/", 1)[0]
+            for p in _runtime_paths()
+            if p.startswith(prefix)
+        }
     )
 
 

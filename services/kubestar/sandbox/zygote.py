@@ -149,7 +149,9 @@ class Zygote:
             if request is None:
                 return
             send_message(self.fd, self.run_call(request))
-            if self.preloaded and (self.calls in COLLAPSE_AFTER or self.calls % COLLAPSE_EVERY == 0):
+            if self.preloaded and (
+                self.calls in COLLAPSE_AFTER or self.calls % COLLAPSE_EVERY == 0
+            ):
                 _collapse_heap()
 
     def run_call(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -461,15 +463,15 @@ def _empty_directory(path: str, keep: set[str]) -> None:
 
 
 def _collapse_heap() -> None:
-    """Map the heap with huge pages again, so that forking a call stays cheap.
+    """Map the heap with huge pages, so that forking a call stays cheap.
 
     fork() copies one page-table entry per 4 KiB page but one per 2 MiB huge page, and the
-    call's exit unmaps as many. The pre-imported heap starts on huge pages
-    (glibc.malloc.hugetlb=1), but each huge page the zygote writes while a call is running is
-    split into 4 KiB entries for good: within a few calls most of the heap is split and a
-    fork+exit costs about twice as much. MADV_COLLAPSE (Linux 6.1+) merges them back; it
-    copies at most the heap (a few ms), so it runs now and then between calls. Best effort:
-    an older kernel just says EINVAL. Only for the preloading zygote (ctypes is big).
+    call's exit unmaps as many. MADV_COLLAPSE (Linux 6.1+) merges the preloading zygote's
+    heap (Python's arenas, malloc's heap) into huge pages; each huge page the zygote writes
+    while a call is running is split again, so this runs after a few calls and then now and
+    then (it copies at most the heap, a few ms). Measured with numpy and sympy loaded: the
+    zygote's side of a call 2.3-2.8 -> 1.7 ms. Best effort: an older kernel says EINVAL.
+    Only for the preloading zygote (ctypes is big).
     """
     import ctypes
 
