@@ -174,8 +174,10 @@ class ExecutorPool(Backend):
                 )
 
     async def _acquire(self, started: float) -> Executor | None:
-        if not self._idle.empty():
-            # An idle executor means nobody is waiting for one: no timer, no task.
+        if not self._idle.empty() and not self._queued:
+            # Nobody is waiting for an executor: no timer, no task. While calls wait, an
+            # executor put back is already promised to the first of them (first come, first
+            # served: a new call taking it would push a waiting one back, up to its timeout).
             return self._idle.get_nowait()
         remaining = self.queue_timeout - (time.monotonic() - started)
         if remaining <= 0:
