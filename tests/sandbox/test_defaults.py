@@ -130,3 +130,9 @@ def test_compile_warnings_reach_the_call(default_client: SandboxClient, preload:
     result = default_client.execute(preload + "x = 5\nprint(x is 5)\n")
     assert (result.status, result.stdout) == (pb.EXECUTION_STATUS_OK, "True\n"), result
     assert "SyntaxWarning" in result.stderr and '"is" with a literal' in result.stderr
+
+
+def test_calls_run_nicer_than_the_server(default_client: SandboxClient) -> None:
+    # The server is in this process (ThreadedServer); a CPU-bound call must not starve it.
+    result = default_client.execute("import os\nprint(os.nice(0))")
+    assert result.stdout == f"{os.nice(0) + ExecutorConfig().nice}\n", result

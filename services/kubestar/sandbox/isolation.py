@@ -228,7 +228,10 @@ def main() -> None:
     parser.add_argument("--max-file-bytes", type=int, default=64 * 1024 * 1024)
     parser.add_argument("--max-open-files", type=int, default=256)
     parser.add_argument("--cpu", type=int, default=-1, help="run (with all calls) on this CPU")
+    parser.add_argument("--nice", type=int, default=0, help="run (with all calls) this much nicer")
     args = parser.parse_args()
+    if args.nice:
+        os.nice(args.nice)
     if args.cpu >= 0:
         with contextlib.suppress(OSError):  # a CPU gone offline: run anywhere
             os.sched_setaffinity(0, {args.cpu})
