@@ -848,13 +848,13 @@ async def main_async(args: argparse.Namespace) -> list[RunResult]:
         for executors in [int(n) for n in args.executors.split(",")]:
             for label, source in sources:
                 services.append(Service(label, executors, False, log_dir, source))
+                if args.dispatcher:
+                    name = "dispatcher+worker" if source is None else f"{label}+dispatcher"
+                    services.append(Service(name, executors, True, log_dir, source))
             if args.no_light_too:
                 services.append(
                     Service("sandbox --no-light", executors, False, log_dir, None, ("--no-light",))
                 )
-                if args.dispatcher:
-                    name = "dispatcher+worker" if source is None else f"{label}+dispatcher"
-                    services.append(Service(name, executors, True, log_dir, source))
         try:
             for service in services:
                 service.start()

@@ -14,6 +14,7 @@ import grpc
 import pytest
 from kubestar.sandbox.client import Call, SandboxClient
 from kubestar.sandbox.dispatcher import WorkerDispatcher
+from kubestar.sandbox.pool import ExecutorPool
 from kubestar.sandbox.server import ServerConfig
 from kubestar.v1 import sandbox_pb2 as pb
 from kubestar.v1 import sandbox_pb2_grpc as pb_grpc
@@ -135,7 +136,7 @@ def test_abandoned_calls_do_not_lose_executors(own_server: ThreadedServer) -> No
         for _ in range(4):
             assert_still_serving(client)
         # Both executors come back once their abandoned calls ended.
-        wait_for(lambda: pool._idle.qsize() == pool.capacity)
+        wait_for(lambda: len(pool._idle) == pool.capacity)
         assert leftover_processes(pool) == []
         calls = slow_calls(4, 0.2)
         results = client.execute_batch(calls)
@@ -265,3 +266,16 @@ def test_refused_calls_are_retried_a_bounded_number_of_times() -> None:
         if dispatcher is not None:
             dispatcher.stop()
         worker.stop()
+
+
+async def test_a_freed_executor_goes_to_the_call_that_waited_first() -> None:
+    # The pool's queue alone (no processes): a call arriving just as an executor is put back
+    # must queue behind the call already waiting, not take the executor from it.
+    pool = ExecutorPool(1, executor_config(), queue_timeout=0.3)
+    (executor,) = pool.executors
+    waiting = asyncio.create_task(pool._acquire(time.monotonic()))
+    await asyncio.sleep(0)  # the first call is now waiting
+    pool._release(executor)  # a call finished
+    newcomer = await pool._acquire(time.monotonic())  # runs before the waiter wakes
+    assert await waiting is executor
+    assert newcomer is None  # it waited its queue timeout: nobody put the executor back

@@ -103,6 +103,12 @@ class FakeEngine:
     async def stop(self) -> None:
         await self.crash()
 
+    async def __aenter__(self) -> FakeEngine:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         prompt: list[int] = body["prompt"]

@@ -304,8 +304,7 @@ async def test_update_weights_failing_everywhere_is_an_error(
 async def test_a_big_turn_is_not_starved_by_a_stream_of_small_ones(
     make_scheduler: MakeScheduler,
 ) -> None:
-    fake = await FakeEngine(token_delay=0.005).start()
-    try:
+    async with FakeEngine(token_delay=0.005) as fake:
         scheduler = await make_scheduler([fake], starvation_seconds=0.3)
         stop = asyncio.Event()
 
@@ -325,8 +324,6 @@ async def test_a_big_turn_is_not_starved_by_a_stream_of_small_ones(
         assert len(big.token_ids) == 230
         assert big.queue_ms >= 250 and waited < 10
         assert fake.preemptions == 0
-    finally:
-        await fake.stop()
 
 
 async def test_a_starving_turn_holds_one_engine_and_the_other_keeps_admitting(
@@ -457,8 +454,7 @@ async def test_a_stop_string_split_between_segments_ends_the_turn(
 ) -> None:
     # The output continues this text from the context's length: the prompt is one token, so
     # the first segment (12 tokens) ends inside "</tool_call>" and vLLM cannot see it whole.
-    engine = await FakeEngine(script="0123456789</tool_call>after").start()
-    try:
+    async with FakeEngine(script="0123456789</tool_call>after") as engine:
         scheduler = await make_scheduler([engine], segment_tokens=12)
         stop = pb.SamplingParams(stop=["</tool_call>"], logprobs=False)
         response = await scheduler.generate("t0", [1], 64, stop)
@@ -470,8 +466,6 @@ async def test_a_stop_string_split_between_segments_ends_the_turn(
         # A stop wholly inside one segment ends it as the engine says.
         inside = await scheduler.generate("t1", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 64, stop)
         assert inside.text == "</tool_call>" and inside.finish_reason == pb.FINISH_REASON_STOP
-    finally:
-        await engine.stop()
 
 
 async def test_update_weights_lets_a_segmented_turn_finish_on_the_old_weights(
@@ -510,12 +504,9 @@ async def test_a_split_stop_string_wins_over_a_later_one_in_the_same_segment(
 ) -> None:
     # The second segment ends on "STOP" (the engine's find), but "</tool_call>" split across
     # the boundary ended first.
-    engine = await FakeEngine(script="0123456789</tool_call>xSTOPafter").start()
-    try:
+    async with FakeEngine(script="0123456789</tool_call>xSTOPafter") as engine:
         scheduler = await make_scheduler([engine], segment_tokens=12)
         stop = pb.SamplingParams(stop=["</tool_call>", "STOP"])
         response = await scheduler.generate("t0", [1], 64, stop)
         assert response.text == "123456789</tool_call>"
         assert response.stop_reason == "</tool_call>"
-    finally:
-        await engine.stop()

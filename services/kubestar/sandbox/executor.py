@@ -56,8 +56,8 @@ class ExecutorConfig:
     preload: tuple[str, ...] = ("numpy", "sympy")
     # Run once in each zygote after the imports: caches it fills are inherited by every call.
     warmup: str = DEFAULT_WARMUP
-    # Beside each preloading zygote, a light one that imported nothing: forking it costs a
-    # fifth as much (a smaller address space to copy and tear down), and most tool calls of
+    # Beside each preloading zygote, a light one that imported nothing: a call on it costs
+    # under half the CPU (a smaller address space to copy and tear down), and most tool calls of
     # a math policy (`print(123 * 456)`) never touch the preloaded modules. Calls that name
     # a preloaded module go to the preloading zygote. See `Executor.process_for`.
     light: bool = True

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections import deque
 from typing import Any
 
 from kubestar.sandbox import metrics
@@ -50,7 +51,10 @@ class ExecutorPool(Backend):
         self.executors = [
             Executor(i, self.config, f"{name}/", pool_size=executors) for i in range(executors)
         ]
-        self._idle: asyncio.Queue[Executor] = asyncio.Queue()
+        # Free executors, and calls waiting for one (oldest first): a freed executor goes
+        # straight to the call that has waited longest (see _release).
+        self._idle: deque[Executor] = deque()
+        self._waiters: deque[asyncio.Future[Executor]] = deque()
         self._in_flight = 0
         self._queued = 0
         self._draining = False
@@ -73,7 +77,7 @@ class ExecutorPool(Backend):
     async def start(self) -> None:
         await asyncio.gather(*(executor.start() for executor in self.executors))
         for executor in self.executors:
-            self._idle.put_nowait(executor)
+            self._release(executor)
         isolation = self.executors[0].isolation
         log.info(
             "sandbox executors ready",
@@ -160,7 +164,7 @@ class ExecutorPool(Backend):
                 self._in_flight -= 1
                 metrics.IN_FLIGHT.dec()
             if answer is not None:
-                self._idle.put_nowait(executor)
+                self._release(executor)
                 return self._finish(self._to_result(execution.id, answer, attempts), started)
             if attempts >= MAX_ATTEMPTS:
                 return self._finish(
@@ -174,24 +178,38 @@ class ExecutorPool(Backend):
                 )
 
     async def _acquire(self, started: float) -> Executor | None:
-        if not self._idle.empty() and not self._queued:
-            # Nobody is waiting for an executor: no timer, no task. While calls wait, an
-            # executor put back is already promised to the first of them (first come, first
-            # served: a new call taking it would push a waiting one back, up to its timeout).
-            return self._idle.get_nowait()
+        if self._idle:  # then nobody is waiting (see _release): no timer, no future
+            return self._idle.popleft()
         remaining = self.queue_timeout - (time.monotonic() - started)
         if remaining <= 0:
             return None
+        waiter: asyncio.Future[Executor] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
         self._queued += 1
         metrics.QUEUE_DEPTH.inc()
         try:
             async with asyncio.timeout(remaining):
-                return await self._idle.get()
-        except TimeoutError:
-            return None
+                return await waiter
+        except BaseException as stop:  # the queue timeout, or the caller went away
+            if waiter.done() and not waiter.cancelled():
+                self._release(waiter.result())  # handed over as the wait ended: pass it on
+            waiter.cancel()
+            if isinstance(stop, TimeoutError):
+                return None
+            raise
         finally:
             self._queued -= 1
             metrics.QUEUE_DEPTH.dec()
+
+    def _release(self, executor: Executor) -> None:
+        """First come, first served: the call that has waited longest gets the executor, so a
+        call arriving just now cannot take it from one already waiting (up to its timeout)."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():  # a done one gave up (timeout, caller gone)
+                waiter.set_result(executor)
+                return
+        self._idle.append(executor)
 
     async def _restart(self, executor: Executor) -> None:
         await executor.stop()
@@ -201,7 +219,7 @@ class ExecutorPool(Backend):
             log.exception("executor restart failed; retrying in the background")
             asyncio.get_running_loop().create_task(self._restart_later(executor))
             return
-        self._idle.put_nowait(executor)
+        self._release(executor)
 
     async def _reclaim(self, executor: Executor, run: asyncio.Future[dict[str, Any]]) -> None:
         try:
@@ -211,7 +229,7 @@ class ExecutorPool(Backend):
                 await self._restart(executor)
             return
         if not self._stopped:
-            self._idle.put_nowait(executor)
+            self._release(executor)
 
     async def _restart_later(self, executor: Executor) -> None:
         await asyncio.sleep(1.0)
