@@ -199,7 +199,10 @@ class ServerProcess:
         preload: Sequence[str] = TEST_PRELOAD,
         worker: bool = True,
         port: int | None = None,
+        terminal: str | None = None,
     ) -> None:
+        """`terminal`: a terminal device to start the server on, as its controlling
+        terminal (as from an interactive shell)."""
         self.port = port or free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
         command = cli_command(
@@ -215,6 +218,12 @@ class ServerProcess:
                 str(next_uid_base()),
             ]
         self.log_path = Path(tempfile.mkstemp(prefix="server-", suffix=".log", dir=log_dir)[1])
+
+        def on_terminal() -> None:
+            assert terminal is not None
+            os.setsid()
+            os.close(os.open(terminal, os.O_RDWR))  # a session leader's first tty is its own
+
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
                 command,
@@ -223,6 +232,7 @@ class ServerProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=REPO,
+                preexec_fn=on_terminal if terminal else None,
             )
         self.pid = self.process.pid
         self._descendants: set[int] = set()

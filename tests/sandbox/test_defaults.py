@@ -136,3 +136,14 @@ def test_calls_run_nicer_than_the_server(default_client: SandboxClient) -> None:
     # The server is in this process (ThreadedServer); a CPU-bound call must not starve it.
     result = default_client.execute("import os\nprint(os.nice(0))")
     assert result.stdout == f"{os.nice(0) + ExecutorConfig().nice}\n", result
+
+
+def test_a_call_leads_its_own_process_group_but_no_session(
+    default_client: SandboxClient,
+) -> None:
+    # Its own group, so that a timeout kills everything it started; no session of its own,
+    # which under autogroup scheduling would make each call a scheduling group of its own.
+    result = default_client.execute(
+        "import os\nprint(os.getpgid(0) == os.getpid(), os.getsid(0) == os.getpid())"
+    )
+    assert (result.status, result.stdout) == (pb.EXECUTION_STATUS_OK, "True False\n"), result

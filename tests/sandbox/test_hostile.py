@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import secrets
+import select
 import shutil
 import socket
 import time
@@ -237,6 +240,31 @@ class TestServiceEnvironment:
             assert secret_worker.pid not in pids
             assert len(pids) <= 3
             assert_still_serving(client)
+
+
+def test_the_servers_terminal_is_out_of_reach(log_dir: Path) -> None:
+    # Started from an interactive shell, the server has a controlling terminal; a call must
+    # not write to it (or read the user's keystrokes from it).
+    terminal, device = os.openpty()
+    worker = ServerProcess(log_dir, executors=1, terminal=os.ttyname(device))
+    os.close(device)
+    try:
+        with SandboxClient(worker.wait_ready().endpoint, timeout=60) as client:
+            result = client.execute(
+                "import os\n"
+                "try:\n"
+                "    os.write(os.open('/dev/tty', os.O_RDWR), b'from the call')\n"
+                "except OSError as error:\n"
+                "    print('refused', error.strerror)\n"
+            )
+            assert (result.status, result.stdout) == (OK, "refused No such device or address\n")
+        readable, _, _ = select.select([terminal], [], [], 0.2)
+        if readable:
+            with contextlib.suppress(OSError):  # EIO: no one holds the terminal open
+                assert b"from the call" not in os.read(terminal, 4096)
+    finally:
+        worker.stop()
+        os.close(terminal)
 
 
 @requires_root

@@ -23,10 +23,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import fcntl
 import marshal
 import os
 import signal
 import sys
+import termios
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,23 @@ PRIVATE_TMPFS = ("/tmp", "/var/tmp", "/dev/shm")
 ZYGOTE_SCRIPT = Path(__file__).with_name("zygote.py")
 
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+def leave_controlling_terminal() -> None:
+    """Drop the terminal the server may have been started from.
+
+    Calls stay in the executor's session (a session per call would make each call a
+    scheduling group of its own, see zygote.py), so the session must not hand them a
+    terminal to read from or write to.
+    """
+    try:
+        tty = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
+    except OSError:
+        return  # none
+    try:
+        fcntl.ioctl(tty, termios.TIOCNOTTY)
+    finally:
+        os.close(tty)
 
 
 def _check(result: int, what: str) -> None:
@@ -230,6 +249,7 @@ def main() -> None:
     parser.add_argument("--cpu", type=int, default=-1, help="run (with all calls) on this CPU")
     parser.add_argument("--nice", type=int, default=0, help="run (with all calls) this much nicer")
     args = parser.parse_args()
+    leave_controlling_terminal()
     if args.nice:
         os.nice(args.nice)
     if args.cpu >= 0:

@@ -8,7 +8,7 @@ zygote's first write to it after a fork is a fault), so the zygote that imports 
 light one, started with -S) stays about as small as an interpreter can be, and the serving
 loop does as little as it can between the fork and the call's exit.
 
-Per call (in the forked child): new session, fresh private working directory, scrubbed
+Per call (in the forked child): own process group, fresh private working directory, scrubbed
 environment, rlimits (CPU, address space, processes, file size, open files, no core dumps),
 the executor's unprivileged uid. The zygote enforces the wall-clock timeout and the output
 caps and reaps everything.
@@ -299,7 +299,12 @@ class Zygote:
     ) -> None:
         exit_code = 1
         try:
-            os.setsid()
+            # A process group of its own (the timeout kills the group), not a session: with
+            # the kernel's autogroup scheduling every new session is a new scheduling group,
+            # and a call in a group born a moment ago sat runnable for 0.1-1 s while other
+            # calls ran (at c64 ~0.5% of calls); in the executor's session it runs at the
+            # executor's nice level, as intended.
+            os.setpgid(0, 0)
             os.dup2(stdin_fd if stdin_fd >= 0 else os.open(os.devnull, os.O_RDONLY), 0)
             os.dup2(out_write, 1)
             os.dup2(err_write, 2)
