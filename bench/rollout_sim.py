@@ -25,6 +25,9 @@ Model
 * Segments (kv-aware, `--segment-tokens`): a turn is admitted in segments of at most that
   many new tokens, as the service does; the next segment joins the front of the queue as the
   last one ends.
+* Uneven fleet (`--slow-engines K --slow-factor F`): the first K engines take F times as
+  long for every step and prefill. The scheduler measures each engine's decode rate from the
+  segments it finishes there, as the service does from real generations.
 * Scheduler: sees exact KV use (kv_usage set from the engine at every decision; the real one
   samples /metrics every 100-200 ms) and scans the first `--window` queued turns per
   decision (the service scans the whole queue).
@@ -37,6 +40,7 @@ Without it, GPU-like defaults are used (documented in `SimConfig`).
     .venv/bin/python bench/rollout_sim.py                        # 64 engines x 4096 trajectories
     .venv/bin/python bench/rollout_sim.py --calibration bench/scheduler_calibration.json
     .venv/bin/python bench/rollout_sim.py --engines 2 --trajectories 32 --seed 1
+    .venv/bin/python bench/rollout_sim.py --slow-engines 16 --slow-factor 2   # uneven fleet
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ from kubestar.scheduler.core import (
     EngineState,
     TurnRequest,
     plan_admissions,
+    record_decode,
     release,
     segment_new_tokens,
 )
@@ -100,6 +105,10 @@ class SimConfig:
     starvation_s: float = 5.0
     # kv-aware admits long turns in segments of this many new tokens (0: whole turns).
     segment_tokens: int = 0
+    # An uneven fleet (an older GPU, a noisy neighbour): the first `slow_engines` engines take
+    # `slow_factor` times as long for every step and prefill.
+    slow_engines: int = 0
+    slow_factor: float = 1.0
 
     @property
     def usable_tokens(self) -> int:
@@ -157,6 +166,7 @@ class Seq:
     arrived: float = 0.0
     # New tokens of the turn left after this segment.
     left_after: int = 0
+    sent_at: float = 0.0  # when the engine got it (its decode rate is measured from here)
 
 
 @dataclass(eq=False)
@@ -172,6 +182,7 @@ class SimEngine:
     steps: int = 0
     max_blocks_used: int = 0
     kv_blocks: int = 0  # blocks in use at the start of the current chunk
+    slowdown: float = 1.0  # step and prefill times are multiplied by this
 
 
 @dataclass
@@ -207,6 +218,7 @@ class Simulation:
                     max_model_len=config.max_context,
                 ),
                 i,
+                slowdown=config.slow_factor if i < config.slow_engines else 1.0,
             )
             for i in range(config.engines)
         ]
@@ -342,6 +354,7 @@ class Simulation:
                 else 0
             )
             seq.prefill = max(1, seq.context - cached)
+            seq.sent_at = self.now
             self.last_engine[seq.traj] = engine.index
             engine.waiting.append(seq)
             self.wake(engine)
@@ -406,6 +419,7 @@ class Simulation:
             self.capacity_ok = False
         batch = len(e.running)
         seconds = k * (c.step_base_s + c.step_per_seq_s * batch) + prefill / c.prefill_tokens_per_s
+        seconds *= e.slowdown
         self.push(self.now + seconds, "step", (e.index, k))
 
     def step_done(self, payload: tuple[int, int]) -> None:
@@ -425,6 +439,7 @@ class Simulation:
 
     def finish(self, e: SimEngine, s: Seq) -> None:
         release(e.state, s.reserved)
+        record_decode(e.state, s.request.max_new_tokens, self.now - s.sent_at)
         self.dirty = True
         self.prev_context[s.traj] = s.context
         if s.left_after > 0:  # the service queues the next segment as it releases this one
@@ -490,12 +505,15 @@ def main(argv: list[str] | None = None) -> int:
     defaults = SimConfig()
     for name in (
         "engines", "trajectories", "seed", "kv_tokens", "block_size", "new_median",
-        "new_max", "turns_max", "chunk", "window", "segment_tokens",
+        "new_max", "turns_min", "turns_max", "prompt_min", "prompt_max", "tool_tokens_min",
+        "tool_tokens_max", "max_context", "chunk", "window", "segment_tokens", "slow_engines",
     ):  # fmt: skip
         parser.add_argument(
             f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name)
         )
     parser.add_argument("--tool-s", type=float, default=defaults.tool_s)
+    parser.add_argument("--new-sigma", type=float, default=defaults.new_sigma)
+    parser.add_argument("--slow-factor", type=float, default=defaults.slow_factor)
     parser.add_argument("--starvation-s", type=float, default=defaults.starvation_s)
     parser.add_argument("--calibration", default="", help="JSON from scheduler_bench.py")
     parser.add_argument("--policies", default=",".join(POLICY_ORDER))
@@ -503,19 +521,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = replace(
         defaults,
-        engines=args.engines,
-        trajectories=args.trajectories,
-        seed=args.seed,
-        kv_tokens=args.kv_tokens,
-        block_size=args.block_size,
-        new_median=args.new_median,
-        new_max=args.new_max,
-        turns_max=args.turns_max,
-        chunk=args.chunk,
-        window=args.window,
-        segment_tokens=args.segment_tokens,
-        tool_s=args.tool_s,
-        starvation_s=args.starvation_s,
+        **{
+            name: getattr(args, name)
+            for name in SimConfig.__dataclass_fields__
+            if hasattr(args, name)
+        },
     )
     if args.calibration:
         config = load_calibration(config, args.calibration)

@@ -13,7 +13,10 @@ with a simulated tool call (lognormal pause, mean 0.3 s) and tool output between
 kv-aware admits long turns in segments of `--segment-tokens` (128: one KV block; 0 reserves
 whole turns, as before segments existed). `--straggler` makes the fleet uneven, as a cluster
 with an older GPU or a noisy neighbour is: a busy loop of the bench's own shares engine e1's
-CPU, so e1 decodes at about half speed for every policy alike.
+CPU, so e1 decodes at about half speed for every policy alike. Both engines are calibrated
+then, and the bench prints e1's measured speed and where a split of the work in proportion to
+speed would end, relative to an even split: the best any policy can do on a capacity-bound
+batch (how uneven the fleet is moves with the machine's load).
 
 The policies run in `--rounds` rounds (3; 2 with --quick), every policy once per round, the
 order rotated from round to round. The machine the bench was written on is shared with other
@@ -30,7 +33,7 @@ written to a JSON file that `bench/rollout_sim.py --calibration` reads.
 
     .venv/bin/python bench/scheduler_bench.py                   # ~10-20 minutes
     .venv/bin/python bench/scheduler_bench.py --quick           # ~5-8 minutes
-    .venv/bin/python bench/scheduler_bench.py --json bench/scheduler_calibration.json
+    .venv/bin/python bench/scheduler_bench.py --straggler       # an uneven fleet
 
 The workload is the same for every policy and round; token prompts differ per policy and
 round (same lengths), so no run profits from another's prefix cache. The random model almost
@@ -80,6 +83,7 @@ from tests.scheduler.engines import (  # noqa: E402
 
 POLICY_ORDER = (ROUND_ROBIN, LEAST_REQUESTS, KV_AWARE)
 MAX_CONTEXT = 1000  # engines run with max_model_len 1024
+DEFAULT_CALIBRATION = "bench/scheduler_calibration.json"
 
 
 @dataclass(frozen=True)
@@ -385,6 +389,25 @@ async def calibrate(url: str, batch_sizes: Sequence[int], new_tokens: int) -> di
     }
 
 
+def describe(calibration: dict[str, Any]) -> str:
+    return (
+        ", ".join(f"b={d['batch']}: {d['tokens_per_s']:.0f} tok/s" for d in calibration["decode"])
+        + f"; step = {calibration['step_base_s'] * 1000:.1f} ms + "
+        f"{calibration['step_per_seq_s'] * 1000:.2f} ms x batch; prefill "
+        f"{calibration['prefill_tokens_per_s']:.0f} tok/s; turn overhead "
+        f"{calibration['turn_overhead_s'] * 1000:.0f} ms"
+    )
+
+
+def speed_ratio(slow: dict[str, Any], fast: dict[str, Any]) -> float:
+    """Decode speed of one engine over another's, averaged over the calibrated batch sizes."""
+    ratios = [
+        s["tokens_per_s"] / f["tokens_per_s"]
+        for s, f in zip(slow["decode"], fast["decode"], strict=True)
+    ]
+    return statistics.fmean(ratios)
+
+
 def print_table(results: list[PolicyResult]) -> None:
     header = (
         f"{'policy':<15}{'round':>6}{'makespan s':>11}{'idle e0':>9}{'idle e1':>9}{'preempt':>9}"
@@ -468,16 +491,17 @@ async def main_async(args: argparse.Namespace) -> int:
                 stack.enter_context(busy_loop(cpus[1]))
                 print(f"straggler: a busy loop shares CPU {cpus[1]} with e1")
             calibration = await calibrate(urls[0], args.calibration_batches, args.calib_tokens)
-            print(
-                "calibration (engine e0): "
-                + ", ".join(
-                    f"b={d['batch']}: {d['tokens_per_s']:.0f} tok/s" for d in calibration["decode"]
+            print(f"calibration (engine e0): {describe(calibration)}")
+            if args.straggler:
+                slow = await calibrate(urls[1], args.calibration_batches, args.calib_tokens)
+                print(f"calibration (engine e1): {describe(slow)}")
+                speed = speed_ratio(slow, calibration)
+                print(
+                    f"e1 decodes at x{speed:.2f} of e0's speed: an even split of the work ends "
+                    f"when e1 does; the work split in proportion to speed would end at about "
+                    f"x{2 * speed / (1 + speed):.2f} of that (capacity-bound batches are near it)"
                 )
-                + f"; step = {calibration['step_base_s'] * 1000:.1f} ms + "
-                f"{calibration['step_per_seq_s'] * 1000:.2f} ms x batch; prefill "
-                f"{calibration['prefill_tokens_per_s']:.0f} tok/s; turn overhead "
-                f"{calibration['turn_overhead_s'] * 1000:.0f} ms"
-            )
+                calibration["straggler_speed_ratio"] = speed
             results = []
             policies = list(args.policies)
             for round_no in range(args.rounds):
@@ -558,7 +582,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--policies", default=",".join(POLICY_ORDER), help="comma-separated, run in this order"
     )
-    parser.add_argument("--json", default="bench/scheduler_calibration.json")
+    parser.add_argument(
+        "--json",
+        default="",
+        help=f"where to write the calibration (default: {DEFAULT_CALIBRATION} on an even "
+        "fleet; not written with --straggler unless given)",
+    )
     parser.add_argument(
         "--no-pin",
         dest="pin",
@@ -584,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     args.policies = [p for p in args.policies.split(",") if p]
+    if not args.json and not args.straggler:
+        args.json = DEFAULT_CALIBRATION  # what rollout_sim.py --calibration reads
     args.calibration_batches = [1, 2, 4, 8]
     args.calib_tokens = 64
     if not args.rounds:

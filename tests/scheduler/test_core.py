@@ -10,6 +10,7 @@ from kubestar.scheduler.core import (
     EngineSample,
     EngineState,
     RequestTooLarge,
+    RunningSegment,
     TurnRequest,
     apply_sample,
     check_fits,
@@ -23,6 +24,7 @@ from kubestar.scheduler.core import (
     reserve,
     round_robin,
     segment_new_tokens,
+    segment_to_move,
     soonest_fit,
     tokens_through,
 )
@@ -196,6 +198,23 @@ def test_kv_aware_leaves_the_prefix_for_a_much_faster_engine() -> None:
     record_decode(fast, 200, 1.0)  # 80 + 0.3 * (200 - 80) = 116 tokens/s
     assert fast.decode_rate == pytest.approx(116.0)
     assert kv_aware([slow, fast], turn(trajectory="t1")) is fast
+
+
+def test_an_idle_engine_takes_over_a_segment_a_much_slower_engine_still_needs_long_for() -> None:
+    fast = engine("fast", decode_rate=100.0)  # nothing in flight
+    slow = engine("slow", decode_rate=40.0, in_flight=2, reserved_tokens=1024)
+    just_started = RunningSegment(turn(256, 128, trajectory="t1"), slow, 0.2)  # 3 s to go
+    nearly_done = RunningSegment(turn(256, 128, trajectory="t2"), slow, 2.9)  # 0.3 s to go
+    assert segment_to_move([fast, slow], [nearly_done, just_started]) == (just_started, fast)
+    # Half done: 1.28 s on fast against 1.6 s still needed on slow is not gain enough.
+    half_done = RunningSegment(turn(256, 128, trajectory="t3"), slow, 1.6)
+    assert segment_to_move([fast, slow], [nearly_done, half_done]) is None
+    # Not when the idle engine is not much faster, has no room, or is not idle at all.
+    assert segment_to_move([engine("peer", decode_rate=50.0), slow], [just_started]) is None
+    full = engine("full", decode_rate=100.0, reserved_tokens=1920)
+    assert segment_to_move([full, slow], [just_started]) is None
+    busy = engine("busy", decode_rate=100.0, in_flight=1)
+    assert segment_to_move([busy, slow], [just_started]) is None
 
 
 def test_kv_aware_skips_unhealthy_removed_and_unknown_engines() -> None:

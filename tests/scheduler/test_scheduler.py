@@ -510,3 +510,25 @@ async def test_a_split_stop_string_wins_over_a_later_one_in_the_same_segment(
         response = await scheduler.generate("t0", [1], 64, stop)
         assert response.text == "123456789</tool_call>"
         assert response.stop_reason == "</tool_call>"
+
+
+async def test_an_idle_engine_takes_over_a_segment_from_a_much_slower_one(
+    fakes: list[FakeEngine], make_scheduler: MakeScheduler
+) -> None:
+    slow, fast = fakes
+    slow.token_delay, fast.token_delay = 0.05, 0.002
+    scheduler = await make_scheduler(fakes, segment_tokens=32)
+    turn = asyncio.create_task(scheduler.generate("t0", PROMPT, 32))  # on e0: the most room
+    await wait_for(lambda: len(slow.requests) == 1)
+    # Decode rates as the scheduler measures them from finished generations.
+    state(scheduler, "e0").decode_rate = 20.0  # type: ignore[attr-defined]
+    state(scheduler, "e1").decode_rate = 500.0  # type: ignore[attr-defined]
+    # Another turn ends on e1 and leaves it with nothing to do: it takes t0's segment over.
+    assert (await scheduler.generate("t1", prompt(1), 4)).engine == "e1"
+    response = await turn
+    assert response.engine == "e1" and len(response.token_ids) == 32
+    assert response.attempts == 1  # a move is not a failure
+    moved = scheduler.metrics.registry.get_sample_value("kubestar_scheduler_moved_total")
+    assert moved == 1
+    await wait_for(lambda: not slow.running)  # the slow engine stopped generating it
+    assert response.generate_ms < 1000  # 32 tokens on e0 alone: 1.6 s

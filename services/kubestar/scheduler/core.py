@@ -44,6 +44,9 @@ Choice: the engine that holds the trajectory's prefix (its previous turn's engin
 room and is not crowded (another engine with room runs under three quarters as many turns, as
 at the end of a batch, or decodes 1.5x as fast, as beside a slower engine); otherwise the
 engine with the most free tokens (ties: fewer waiting in vLLM, fewer in flight, list order).
+An engine with nothing left to do takes over the segment a much slower engine would still
+need longest for, restarting it (`segment_to_move`): at the end of a batch on an uneven fleet
+the last turns would otherwise finish on the slow engine while the fast one idles.
 
 Segments: a long turn is admitted in segments of at most `segment_tokens` new tokens, each
 reserving only its context + segment; the next segment is queued ahead of new turns and keeps
@@ -83,6 +86,10 @@ DEFAULT_STARVATION_SECONDS = 5.0
 AFFINITY_LOAD_RATIO = 0.75
 # ... or unless another engine with room decodes a sequence this many times as fast (measured).
 AFFINITY_SPEED_RATIO = 1.5
+# An engine left idle takes over a segment running on a slower engine (restarting it: the
+# tokens that segment generated so far are dropped) when it would end it in under this share
+# of the time the slower engine still needs.
+MOVE_GAIN = 0.7
 # Decode-rate samples: weight of the newest, and the fewest tokens a sample needs (shorter
 # generations are mostly request overhead).
 DECODE_RATE_WEIGHT = 0.3
@@ -254,6 +261,50 @@ def record_decode(engine: EngineState, tokens: int, seconds: float) -> None:
     rate = tokens / seconds
     old = engine.decode_rate
     engine.decode_rate = rate if not old else old + DECODE_RATE_WEIGHT * (rate - old)
+
+
+@dataclass(frozen=True)
+class RunningSegment:
+    """An admission in flight: what `segment_to_move` weighs."""
+
+    request: TurnRequest
+    engine: EngineState
+    elapsed_seconds: float
+
+
+def segment_to_move(
+    engines: Sequence[EngineState], running: Sequence[RunningSegment]
+) -> tuple[RunningSegment, EngineState] | None:
+    """kv-aware on an uneven fleet: an engine with nothing to do takes over the segment that a
+    much slower engine (AFFINITY_SPEED_RATIO) would still need longest for, if restarting it
+    there ends it sooner (MOVE_GAIN); None if nothing is worth moving.
+
+    At the end of a batch the last turns otherwise finish on whichever engine holds them
+    while a faster one idles; segments bound what a restart throws away. Rates are the
+    measured per-sequence decode rates (the idle engine's, measured under load, understates
+    its speed alone: the estimate errs towards staying).
+    """
+    idle = [e for e in engines if e.admitting and e.in_flight == 0 and e.decode_rate > 0]
+    for target in sorted(idle, key=lambda e: -e.decode_rate):
+        best: tuple[float, RunningSegment] | None = None
+        for segment in running:
+            slow = segment.engine
+            if slow is target or slow.decode_rate <= 0:
+                continue
+            if target.decode_rate < AFFINITY_SPEED_RATIO * slow.decode_rate:
+                continue
+            new_tokens = segment.request.max_new_tokens
+            left = max(0.0, new_tokens - segment.elapsed_seconds * slow.decode_rate)
+            still_needs = left / slow.decode_rate
+            on_target = new_tokens / target.decode_rate
+            if on_target >= MOVE_GAIN * still_needs or not target.fits(segment.request):
+                continue
+            gain = still_needs - on_target
+            if best is None or gain > best[0]:
+                best = (gain, segment)
+        if best is not None:
+            return best[1], target
+    return None
 
 
 def least_requests(engines: Sequence[EngineState], request: TurnRequest) -> EngineState | None:

@@ -73,6 +73,11 @@ class SchedulerMetrics:
             "Turn segments that ended with the turn still going (kv-aware: segment_tokens)",
             registry=r,
         )
+        self.moved = Counter(
+            f"{PREFIX}_moved",
+            "Segments restarted on an idle engine, taken from a much slower one (kv-aware)",
+            registry=r,
+        )
         self.completed = Counter(f"{PREFIX}_completed", "Turns generated", registry=r)
         self.failed = Counter(
             f"{PREFIX}_failed", "Turns that ended in an error, by reason", ["reason"], registry=r

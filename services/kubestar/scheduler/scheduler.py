@@ -38,6 +38,7 @@ from kubestar.scheduler.core import (
     POLICIES,
     ROUND_ROBIN,
     EngineState,
+    RunningSegment,
     TurnRequest,
     apply_sample,
     check_fits,
@@ -47,6 +48,7 @@ from kubestar.scheduler.core import (
     record_decode,
     release,
     segment_new_tokens,
+    segment_to_move,
     tokens_through,
 )
 from kubestar.scheduler.metrics import SchedulerMetrics
@@ -130,6 +132,10 @@ class _Turn:
     task: asyncio.Task[None] | None = None
     # Set before cancelling the turn's task when its engine failed or was removed.
     retry_on_cancel: bool = False
+    # Set before cancelling the turn's task to restart its segment on an idle engine.
+    moving: bool = False
+    # When its current admission was sent (monotonic seconds).
+    sent_at: float = 0.0
     # What the segments done so far generated.
     segments: int = 0
     token_ids: list[int] = field(default_factory=list)
@@ -351,7 +357,7 @@ class Scheduler:
     async def _run(self, turn: _Turn, engine: _Engine) -> None:
         sampling = turn.sampling
         context = turn.prompt_token_ids + turn.token_ids if turn.segments else turn.prompt_token_ids
-        started = time.monotonic()
+        started = turn.sent_at = time.monotonic()
         try:
             completion = await engine.client.complete(
                 context,
@@ -367,6 +373,13 @@ class Scheduler:
             )
         except asyncio.CancelledError:
             self._finish(turn, engine, 0)
+            if turn.moving:  # to an idle engine: first in the queue, not a failed attempt
+                turn.moving = False
+                turn.queued_since = time.monotonic()
+                self._queue.appendleft(turn)
+                self.metrics.moved.inc()
+                self._dispatch()
+                return
             if turn.retry_on_cancel:
                 turn.retry_on_cancel = False
                 self._requeue(turn, f"engine {engine.state.name} was taken out")
@@ -419,6 +432,40 @@ class Scheduler:
             self.metrics.generate_seconds.observe(turn.generate_seconds)
             self.metrics.turn_seconds.observe(now - turn.arrived)
         self._dispatch()
+        self._move_to_idle_engine()
+
+    def _move_to_idle_engine(self) -> None:
+        """kv-aware: an engine left with nothing to do takes over a segment that a much slower
+        engine would still need long for (see core.segment_to_move)."""
+        if self.policy_name != KV_AWARE or not self.segment_tokens or self._paused:
+            return
+        now = time.monotonic()
+        running = {
+            id(segment): (turn, segment)
+            for engine in self._engines.values()
+            for turn in engine.turns
+            if turn.task is not None and not turn.moving and not turn.retry_on_cancel
+            for segment in [RunningSegment(turn.request, engine.state, now - turn.sent_at)]
+        }
+        choice = segment_to_move(self._states(), [segment for _, segment in running.values()])
+        if choice is None:
+            return
+        segment, target = choice
+        turn = running[id(segment)][0]
+        assert turn.task is not None
+        log.info(
+            "segment moved to an idle engine",
+            extra={
+                "fields": {
+                    "trajectory": turn.request.trajectory_id,
+                    "from": segment.engine.name,
+                    "to": target.name,
+                    "elapsed_s": round(segment.elapsed_seconds, 3),
+                }
+            },
+        )
+        turn.moving = True
+        turn.task.cancel()
 
     def _segment(self, remaining: int, context_tokens: int) -> int:
         """New tokens for a turn's next admission: all, or a segment ending on a block."""
