@@ -63,3 +63,16 @@ def test_capacity_invariants() -> None:
         assert not run.queue and not run.pending
         assert 0.0 <= result.idle_fraction < 1.0
         assert result.makespan_s > 0
+
+
+def test_an_uneven_fleet_moves_segments_and_kv_aware_gains() -> None:
+    # Two of four engines at 1/2.5 the speed: static assignment waits for them, kv-aware
+    # measures the rates, leaves the slow engines and moves their last segments.
+    config = replace(SMALL, trajectories=48, slow_engines=2, slow_factor=2.5, segment_tokens=128)
+    workload = sim.make_workload(config)
+    kv = sim.Simulation(config, KV_AWARE, workload).run()
+    rr = sim.Simulation(config, ROUND_ROBIN, workload).run()
+    assert kv.turns == rr.turns == sum(len(t.turns) for t in workload)
+    assert kv.preemptions == 0 and kv.capacity_ok
+    assert kv.moves > 0
+    assert kv.makespan_s < 0.9 * rr.makespan_s

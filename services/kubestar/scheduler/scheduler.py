@@ -290,7 +290,7 @@ class Scheduler:
         with contextlib.suppress(ValueError):
             self._queue.remove(turn)
         if turn.task is not None:
-            turn.retry_on_cancel = False
+            turn.retry_on_cancel = turn.moving = False
             turn.task.cancel()
         self.metrics.queue_length.set(len(self._queue))
 
@@ -373,8 +373,9 @@ class Scheduler:
             )
         except asyncio.CancelledError:
             self._finish(turn, engine, 0)
-            if turn.moving:  # to an idle engine: first in the queue, not a failed attempt
-                turn.moving = False
+            moving, turn.moving = turn.moving, False
+            if moving and not self._draining and not turn.future.done():
+                # To an idle engine: first in the queue, not a failed attempt.
                 turn.queued_since = time.monotonic()
                 self._queue.appendleft(turn)
                 self.metrics.moved.inc()
