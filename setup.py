@@ -1,4 +1,5 @@
-"""Build hook: generate the gRPC stubs from protos/ before packaging.
+"""Build hooks: generate the gRPC stubs from protos/ before packaging, and compile the
+sandbox zygote's serving loop (a small C extension, see services/kubestar/sandbox/_forkserver.c).
 
 The generated modules (protos/kubestar/v1/*_pb2*.py[i]) are build outputs, never
 edited by hand and not committed. `pip install .` and `pip install -e .` both run this.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 PROTO_ROOT = Path(__file__).parent / "protos"
@@ -38,4 +39,10 @@ class BuildPyWithProtos(build_py):
         super().run()
 
 
-setup(cmdclass={"build_py": BuildPyWithProtos})
+FORKSERVER = Extension(
+    "kubestar.sandbox._forkserver",
+    sources=["services/kubestar/sandbox/_forkserver.c"],
+    extra_compile_args=["-std=gnu11", "-Wall", "-Wextra"],
+)
+
+setup(cmdclass={"build_py": BuildPyWithProtos}, ext_modules=[FORKSERVER])

@@ -8,14 +8,26 @@ import logging
 import marshal
 import os
 import re
+import signal
 import socket
+import struct
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from kubestar.sandbox import metrics
+from kubestar.sandbox import _forkserver, metrics
 from kubestar.sandbox.limits import CallLimits, LimitPolicy
-from kubestar.sandbox.zygote import HEADER_BYTES, encode_message
+from kubestar.sandbox.zygote import HEADER_BYTES
+
+# The zygote's call and answer headers (_forkserver.c; native byte order, same machine):
+# timeout_seconds, memory_bytes, output_bytes, code bytes, stdin bytes; and wait status,
+# flags, wall ms, CPU ms, stdout bytes, stderr bytes.
+CALL_HEADER = struct.Struct("=dQQII")
+ANSWER_HEADER = struct.Struct("=iIddII")
+TIMED_OUT = _forkserver.ANSWER_TIMED_OUT
+STDOUT_TRUNCATED = _forkserver.ANSWER_STDOUT_TRUNCATED
+STDERR_TRUNCATED = _forkserver.ANSWER_STDERR_TRUNCATED
+MEMORY_ERROR = _forkserver.ANSWER_MEMORY_ERROR
 
 log = logging.getLogger(__name__)
 
@@ -143,24 +155,48 @@ class ZygoteProcess:
 
     async def run(self, code: str, stdin: str, limits: CallLimits) -> dict[str, Any]:
         """Run one call; raises ExecutorDied if the process is gone or stops answering."""
-        if self._writer is None or self.process is None or self.process.returncode is not None:
+        reader, writer = self._reader, self._writer
+        if (
+            reader is None
+            or writer is None
+            or self.process is None
+            or self.process.returncode is not None
+        ):
             raise ExecutorDied(f"{self.name} is not running")
-        request = {
-            "code": code,
-            "stdin": stdin,
-            "timeout_seconds": limits.timeout_seconds,
-            "memory_bytes": limits.memory_bytes,
-            "output_bytes": limits.output_bytes,
-        }
+        source, given = code.encode(), stdin.encode()
+        header = CALL_HEADER.pack(
+            limits.timeout_seconds,
+            limits.memory_bytes,
+            limits.output_bytes,
+            len(source),
+            len(given),
+        )
         try:
-            self._writer.write(encode_message(request))
-            await self._writer.drain()
+            writer.write(header + source + given)
+            await writer.drain()
             # asyncio.timeout, unlike wait_for, does not wrap the read in a task of its own.
             async with asyncio.timeout(limits.timeout_seconds + ANSWER_GRACE_SECONDS):
-                return await self._receive()
+                answer = await reader.readexactly(ANSWER_HEADER.size)
+                wait_status, flags, wall_ms, cpu_ms, stdout_bytes, stderr_bytes = (
+                    ANSWER_HEADER.unpack(answer)
+                )
+                output = await reader.readexactly(stdout_bytes + stderr_bytes)
         except (OSError, asyncio.IncompleteReadError, TimeoutError) as error:
             await self.stop()
             raise ExecutorDied(f"{self.name} died during a call: {error!r}") from error
+        exit_code = os.waitstatus_to_exitcode(wait_status)
+        status, message = classify(exit_code, flags, cpu_ms, limits)
+        return {
+            "status": status,
+            "message": message,
+            "exit_code": exit_code,
+            "stdout": output[:stdout_bytes],
+            "stderr": output[stdout_bytes:],
+            "stdout_truncated": bool(flags & STDOUT_TRUNCATED),
+            "stderr_truncated": bool(flags & STDERR_TRUNCATED),
+            "wall_ms": wall_ms,
+            "cpu_ms": cpu_ms,
+        }
 
     async def _receive(self) -> dict[str, Any]:
         assert self._reader is not None
@@ -177,6 +213,29 @@ class ZygoteProcess:
             with contextlib.suppress(ProcessLookupError):
                 self.process.kill()
             await self.process.wait()
+
+
+def classify(exit_code: int, flags: int, cpu_ms: float, limits: CallLimits) -> tuple[str, str]:
+    """A call's status and message from what the zygote saw (see _forkserver.c)."""
+    if flags & TIMED_OUT:
+        return "timeout", f"wall-clock limit of {limits.timeout_seconds:g}s passed"
+    if flags & (STDOUT_TRUNCATED | STDERR_TRUNCATED):
+        stream = "stdout" if flags & STDOUT_TRUNCATED else "stderr"
+        return "output-limit", f"{stream} passed the output limit of {limits.output_bytes} bytes"
+    if flags & MEMORY_ERROR:
+        return "memory", "the memory limit was hit (MemoryError)"
+    if exit_code == 0:
+        return "ok", ""
+    # The zygote sets RLIMIT_CPU to the timeout's whole seconds + 1 (SIGXCPU), and the hard
+    # limit one second later (SIGKILL).
+    cpu_limit_reached = cpu_ms >= (int(limits.timeout_seconds) + 1) * 1000.0
+    if exit_code == -signal.SIGXCPU or (exit_code == -signal.SIGKILL and cpu_limit_reached):
+        return "timeout", "CPU time limit passed"
+    if exit_code == -signal.SIGXFSZ:
+        return "error", "file size limit passed"
+    if exit_code < 0:
+        return "error", f"killed by signal {signal.Signals(-exit_code).name}"
+    return "error", f"exited with code {exit_code}"
 
 
 class Executor:

@@ -1,0 +1,666 @@
+/* The zygote's serving loop, in C: between two forks it touches no Python object.
+ *
+ * Each page of the zygote that it writes after a fork is a page fault (the fork shared it
+ * with the call, copy-on-write), so a serving loop in Python, which writes reference counts,
+ * allocator pools and frames all over the heap, paid ~170 faults a call on the light zygote.
+ * This loop reads the request, forks, watches the call (wall-clock timeout, output caps),
+ * reaps it and everything it left behind, answers and cleans up with its own memory only:
+ * buffers mapped MADV_DONTFORK (never shared with a call) and its stack.
+ *
+ * `serve(...)` returns only in a forked call, after that call's process set-up (process
+ * group, standard streams, working directory, rlimits, uid), with (code, workdir); the
+ * Python side (zygote.py) then runs the code. In the zygote it returns None once the worker
+ * closes the control socket.
+ *
+ * Wire format, native byte order (the worker is on the same machine):
+ *   request: double timeout_seconds, u64 memory_bytes, u64 output_bytes, u32 code_bytes,
+ *            u32 stdin_bytes, then the code (UTF-8) and stdin;
+ *   answer:  i32 wait_status, u32 flags (ANSWER_*), double wall_ms, double cpu_ms,
+ *            u32 stdout_bytes, u32 stderr_bytes, then stdout and stderr.
+ * The worker turns the answer into a status (executor.py): the zygote reports what happened.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <grp.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25 /* Linux 6.1+ */
+#endif
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#ifndef SYS_close_range
+#define SYS_close_range 436
+#endif
+
+#define ANSWER_TIMED_OUT 1u
+#define ANSWER_STDOUT_TRUNCATED 2u
+#define ANSWER_STDERR_TRUNCATED 4u
+#define ANSWER_MEMORY_ERROR 8u
+
+#define READ_CHUNK 65536
+#define LEFTOVER_GRACE_SECONDS 0.05
+#define HUGE_PAGE (2UL * 1024 * 1024)
+#define MAX_KEEP 64
+
+struct request_header {
+    double timeout_seconds;
+    uint64_t memory_bytes;
+    uint64_t output_bytes;
+    uint32_t code_bytes;
+    uint32_t stdin_bytes;
+};
+
+struct answer_header {
+    int32_t wait_status;
+    uint32_t flags;
+    double wall_ms;
+    double cpu_ms;
+    uint32_t stdout_bytes;
+    uint32_t stderr_bytes;
+};
+
+_Static_assert(sizeof(struct request_header) == 32, "request header layout");
+_Static_assert(sizeof(struct answer_header) == 32, "answer header layout");
+
+/* Memory of the loop that a call never shares (MADV_DONTFORK), unless `shared`. */
+typedef struct {
+    char *data;
+    size_t size;
+    size_t capacity;
+    int shared;
+} buffer_t;
+
+typedef struct {
+    char path[PATH_MAX];
+    const char *keep[MAX_KEEP];
+    int keep_count;
+} private_dir_t;
+
+typedef struct {
+    int fd;
+    char work_root[PATH_MAX];
+    uid_t call_uid;
+    int kill_all; /* PID 1 of a PID namespace: kill(-1) reaches every leftover */
+    int collapse;
+    uint64_t baseline_vm_bytes;
+    long long max_file_bytes, max_open_files, max_processes; /* max_processes < 0: unset */
+    private_dir_t *private_dirs;
+    int private_dir_count;
+    unsigned long calls;
+    char workdir[PATH_MAX]; /* the current call's */
+    buffer_t code, input, out, err, spill;
+} server_t;
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static int buffer_reserve(buffer_t *buffer, size_t capacity) {
+    if (capacity <= buffer->capacity) {
+        return 0;
+    }
+    size_t rounded = (capacity + 65535) & ~(size_t)65535;
+    char *data = mmap(NULL, rounded, PROT_READ | PROT_WRITE,
+                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (data == MAP_FAILED) {
+        return -1;
+    }
+    if (!buffer->shared) {
+        madvise(data, rounded, MADV_DONTFORK);
+    }
+    if (buffer->data != NULL) {
+        memcpy(data, buffer->data, buffer->size);
+        munmap(buffer->data, buffer->capacity);
+    }
+    buffer->data = data;
+    buffer->capacity = rounded;
+    return 0;
+}
+
+/* 1: read all, 0: end of file, -1: error. */
+static int read_exactly(int fd, char *data, size_t size) {
+    size_t done = 0;
+    while (done < size) {
+        ssize_t got = read(fd, data + done, size - done);
+        if (got < 0 && errno == EINTR) {
+            continue;
+        }
+        if (got <= 0) {
+            return got == 0 && done == 0 ? 0 : -1;
+        }
+        done += (size_t)got;
+    }
+    return 1;
+}
+
+static int write_all(int fd, struct iovec *parts, int count) {
+    while (count > 0) {
+        ssize_t wrote = writev(fd, parts, count);
+        if (wrote < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            return -1;
+        }
+        while (count > 0 && (size_t)wrote >= parts->iov_len) {
+            wrote -= (ssize_t)parts->iov_len;
+            parts++;
+            count--;
+        }
+        if (count > 0) {
+            parts->iov_base = (char *)parts->iov_base + wrote;
+            parts->iov_len -= (size_t)wrote;
+        }
+    }
+    return 0;
+}
+
+static void kill_quietly(pid_t pid) { kill(pid, SIGKILL); }
+
+/* ------------------------------------------------------------------ the call's process */
+
+static void __attribute__((noreturn)) setup_failed(const char *what) {
+    dprintf(2, "the sandbox could not set up this call: %s: %s\n", what, strerror(errno));
+    _exit(1);
+}
+
+static void set_limit(int resource, rlim_t soft, rlim_t hard, const char *what) {
+    struct rlimit limit = {soft, hard};
+    if (setrlimit(resource, &limit) != 0) {
+        setup_failed(what);
+    }
+}
+
+/* In the forked call, before any Python runs: own process group (not a session: see
+ * zygote.py), standard streams, no other descriptor, working directory, rlimits, uid. */
+static void prepare_call(server_t *server, const struct request_header *request, int stdin_fd,
+                         int out_write, int err_write, int report_write, const char *workdir) {
+    setpgid(0, 0);
+    int input = stdin_fd >= 0 ? stdin_fd : open("/dev/null", O_RDONLY);
+    if (input < 0 || dup2(input, 0) < 0 || dup2(out_write, 1) < 0 || dup2(err_write, 2) < 0 ||
+        dup2(report_write, 3) < 0) {
+        _exit(1);
+    }
+    if (syscall(SYS_close_range, 4U, ~0U, 0) != 0) {
+        for (int fd = 4; fd < 65536; fd++) {
+            close(fd);
+        }
+    }
+    if (chdir(workdir) != 0) {
+        setup_failed("chdir");
+    }
+    rlim_t cpu_seconds = (rlim_t)request->timeout_seconds + 1;
+    set_limit(RLIMIT_CPU, cpu_seconds, cpu_seconds + 1, "RLIMIT_CPU");
+    rlim_t address_space = (rlim_t)(server->baseline_vm_bytes + request->memory_bytes);
+    set_limit(RLIMIT_AS, address_space, address_space, "RLIMIT_AS");
+    set_limit(RLIMIT_FSIZE, (rlim_t)server->max_file_bytes, (rlim_t)server->max_file_bytes,
+              "RLIMIT_FSIZE");
+    set_limit(RLIMIT_NOFILE, (rlim_t)server->max_open_files, (rlim_t)server->max_open_files,
+              "RLIMIT_NOFILE");
+    set_limit(RLIMIT_CORE, 0, 0, "RLIMIT_CORE");
+    if (server->max_processes >= 0) {
+        set_limit(RLIMIT_NPROC, (rlim_t)server->max_processes, (rlim_t)server->max_processes,
+                  "RLIMIT_NPROC");
+    }
+    if (server->call_uid != 0) {
+        if (setgroups(0, NULL) != 0) {
+            setup_failed("setgroups");
+        }
+        if (setgid(server->call_uid) != 0) {
+            setup_failed("setgid");
+        }
+        if (setuid(server->call_uid) != 0) {
+            setup_failed("setuid");
+        }
+    }
+}
+
+/* -------------------------------------------------------------- cleaning up after a call */
+
+static int remove_entry(const char *path, const struct stat *info, int kind, struct FTW *where) {
+    (void)info;
+    (void)where;
+    if (kind == FTW_DP) {
+        rmdir(path);
+    } else {
+        unlink(path);
+    }
+    return 0;
+}
+
+/* Never follows symlinks, nor crosses into another mount. */
+static void remove_tree(const char *path) {
+    nftw(path, remove_entry, 16, FTW_DEPTH | FTW_PHYS | FTW_MOUNT);
+}
+
+static void empty_directory(const private_dir_t *dir) {
+    DIR *listing = opendir(dir->path);
+    if (listing == NULL) {
+        return;
+    }
+    struct dirent *entry;
+    char full[PATH_MAX];
+    while ((entry = readdir(listing)) != NULL) {
+        if (strcmp(entry->d_name, ".") == 0 || strcmp(entry->d_name, "..") == 0) {
+            continue;
+        }
+        snprintf(full, sizeof full, "%s/%s", dir->path, entry->d_name);
+        int kept = 0;
+        for (int i = 0; i < dir->keep_count && !kept; i++) {
+            kept = strcmp(full, dir->keep[i]) == 0;
+        }
+        if (kept) {
+            continue;
+        }
+        struct stat info;
+        if (lstat(full, &info) == 0 && S_ISDIR(info.st_mode)) {
+            remove_tree(full);
+        } else {
+            unlink(full);
+        }
+    }
+    closedir(listing);
+}
+
+static int has_children(void) {
+    /* May reap one zombie; any child at all means leftovers. */
+    return !(waitpid(-1, NULL, WNOHANG) < 0 && errno == ECHILD);
+}
+
+/* Without a PID namespace: every direct child (orphans re-parent here: subreaper). */
+static void kill_children_of(pid_t parent) {
+    DIR *proc = opendir("/proc");
+    if (proc == NULL) {
+        return;
+    }
+    struct dirent *entry;
+    char path[PATH_MAX], stat[512];
+    while ((entry = readdir(proc)) != NULL) {
+        if (entry->d_name[0] < '0' || entry->d_name[0] > '9') {
+            continue;
+        }
+        snprintf(path, sizeof path, "/proc/%s/stat", entry->d_name);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) {
+            continue;
+        }
+        ssize_t got = read(fd, stat, sizeof stat - 1);
+        close(fd);
+        if (got <= 0) {
+            continue;
+        }
+        stat[got] = '\0';
+        char *end = strrchr(stat, ')');
+        char state;
+        int ppid;
+        if (end != NULL && sscanf(end + 1, " %c %d", &state, &ppid) == 2 && ppid == parent) {
+            pid_t pid = (pid_t)atoi(entry->d_name);
+            kill_quietly(-pid);
+            kill_quietly(pid);
+        }
+    }
+    closedir(proc);
+}
+
+/* Kill and reap every process a call left behind (background jobs, daemons). */
+static void kill_leftovers(server_t *server) {
+    if (!has_children()) {
+        return;
+    }
+    if (server->kill_all) {
+        kill(-1, SIGKILL);
+    } else {
+        kill_children_of(getpid());
+    }
+    while (waitpid(-1, NULL, 0) >= 0 || errno == EINTR) {
+    }
+}
+
+/* Map the heap with huge pages, so that forking a call stays cheap: fork() copies one
+ * page-table entry per 4 KiB page but one per 2 MiB huge page, and the call's exit unmaps as
+ * many. Best effort: an older kernel says EINVAL. */
+static void collapse_heap(void) {
+    FILE *maps = fopen("/proc/self/maps", "re");
+    if (maps == NULL) {
+        return;
+    }
+    char line[512];
+    while (fgets(line, sizeof line, maps) != NULL) {
+        unsigned long start, end;
+        char perms[8], name[256] = "";
+        if (sscanf(line, "%lx-%lx %7s %*s %*s %*s %255s", &start, &end, perms, name) < 3) {
+            continue;
+        }
+        /* Only private anonymous memory: the heap and malloc's (and Python's) mappings. */
+        if (strcmp(perms, "rw-p") != 0 || (name[0] != '\0' && strcmp(name, "[heap]") != 0)) {
+            continue;
+        }
+        start = (start + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1);
+        end &= ~(HUGE_PAGE - 1);
+        if (end > start) {
+            madvise((void *)start, end - start, MADV_COLLAPSE);
+        }
+    }
+    fclose(maps);
+}
+
+static int collapse_due(unsigned long calls) {
+    return calls == 1 || calls == 4 || calls == 16 || calls % 64 == 0;
+}
+
+/* ------------------------------------------------------------------ one call, zygote side */
+
+static int read_output(int fd, buffer_t *buffer, buffer_t *spill, size_t cap, int *truncated) {
+    size_t room = cap - buffer->size;
+    ssize_t got;
+    if (room > 0) {
+        got = read(fd, buffer->data + buffer->size, room < READ_CHUNK ? room : READ_CHUNK);
+        if (got > 0) {
+            buffer->size += (size_t)got;
+        }
+    } else {
+        got = read(fd, spill->data, READ_CHUNK);
+        if (got > 0) {
+            *truncated = 1;
+        }
+    }
+    if (got < 0 && (errno == EINTR || errno == EAGAIN)) {
+        return 1;
+    }
+    return got > 0; /* 0: end of file (or a broken pipe) */
+}
+
+/* Runs one call; returns 0, or -1 with errno set when the zygote itself failed. */
+static int run_call(server_t *server, const struct request_header *request, pid_t *child) {
+    char *workdir = server->workdir;
+    server->calls++;
+    snprintf(workdir, PATH_MAX, "%s/call-%lu", server->work_root, server->calls);
+    if (mkdir(workdir, 0700) != 0) {
+        return -1;
+    }
+    if (server->call_uid != 0 && chown(workdir, server->call_uid, server->call_uid) != 0) {
+        return -1;
+    }
+    size_t cap = (size_t)request->output_bytes;
+    if (buffer_reserve(&server->out, cap) || buffer_reserve(&server->err, cap)) {
+        return -1;
+    }
+    server->out.size = server->err.size = 0;
+    int stdin_fd = -1;
+    if (request->stdin_bytes > 0) {
+        stdin_fd = memfd_create("stdin", MFD_CLOEXEC);
+        struct iovec part = {server->input.data, request->stdin_bytes};
+        if (stdin_fd < 0 || write_all(stdin_fd, &part, 1) != 0 ||
+            lseek(stdin_fd, 0, SEEK_SET) != 0) {
+            return -1;
+        }
+    }
+    int out[2], err[2], report[2];
+    if (pipe2(out, O_CLOEXEC) || pipe2(err, O_CLOEXEC) || pipe2(report, O_CLOEXEC)) {
+        return -1;
+    }
+    double started = now_seconds();
+    PyOS_BeforeFork();
+    pid_t pid = fork();
+    if (pid == 0) {
+        prepare_call(server, request, stdin_fd, out[1], err[1], report[1], workdir);
+        PyOS_AfterFork_Child();
+        *child = 0;
+        return 0;
+    }
+    PyOS_AfterFork_Parent();
+    if (pid < 0) {
+        return -1;
+    }
+    *child = pid;
+    close(out[1]);
+    close(err[1]);
+    close(report[1]);
+    if (stdin_fd >= 0) {
+        close(stdin_fd);
+    }
+
+    int pidfd = (int)syscall(SYS_pidfd_open, pid, 0); /* Linux 5.3+ */
+    if (pidfd < 0) {
+        int error = errno;
+        kill_quietly(-pid);
+        kill_quietly(pid);
+        waitpid(pid, NULL, 0);
+        errno = error;
+        return -1;
+    }
+    /* A watched descriptor that is done is set to -1: poll() skips it. */
+    int fds[3] = {out[0], err[0], pidfd};
+    struct pollfd watched[3] = {{out[0], POLLIN, 0}, {err[0], POLLIN, 0}, {pidfd, POLLIN, 0}};
+    double deadline = started + request->timeout_seconds;
+    int child_exited = 0;
+    int open_pipes = 2, timed_out = 0, out_truncated = 0, err_truncated = 0;
+    while (open_pipes > 0 || !child_exited) {
+        double remaining = deadline - now_seconds();
+        if (remaining <= 0) {
+            timed_out = !child_exited; /* leftovers holding the pipes: stop listening */
+            break;
+        }
+        int ready = poll(watched, 3, (int)(remaining * 1000.0) + 1);
+        if (ready < 0 && errno == EINTR) {
+            continue;
+        }
+        for (int i = 0; i < 3 && ready > 0; i++) {
+            if (watched[i].revents == 0) {
+                continue;
+            }
+            if (i == 2) {
+                /* The call's main process is gone; leftovers holding the pipes get a
+                 * short grace to flush, then are killed with the rest. */
+                child_exited = 1;
+                watched[2].fd = -1;
+                double grace = now_seconds() + LEFTOVER_GRACE_SECONDS;
+                deadline = grace < deadline ? grace : deadline;
+                continue;
+            }
+            buffer_t *buffer = i == 0 ? &server->out : &server->err;
+            int *truncated = i == 0 ? &out_truncated : &err_truncated;
+            if (!read_output(watched[i].fd, buffer, &server->spill, cap, truncated)) {
+                watched[i].fd = -1;
+                open_pipes--;
+            }
+        }
+        if (out_truncated || err_truncated) {
+            break;
+        }
+    }
+    if (!child_exited || timed_out || out_truncated || err_truncated) {
+        kill_quietly(-pid); /* the call's process group */
+        kill_quietly(pid);
+    }
+    int wait_status = 0;
+    struct rusage usage;
+    while (wait4(pid, &wait_status, 0, &usage) < 0 && errno == EINTR) {
+    }
+    struct answer_header answer = {0};
+    answer.wait_status = wait_status;
+    answer.wall_ms = (now_seconds() - started) * 1000.0;
+    answer.cpu_ms = (double)(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) * 1000.0 +
+                    (double)(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec) / 1000.0;
+    for (int i = 0; i < 3; i++) {
+        close(fds[i]);
+    }
+    char said[16];
+    fcntl(report[0], F_SETFL, O_NONBLOCK); /* leftovers may still hold its write end */
+    ssize_t report_bytes = read(report[0], said, sizeof said);
+    close(report[0]);
+    if (report_bytes > 0 && memchr(said, 'M', (size_t)report_bytes) != NULL) {
+        answer.flags |= ANSWER_MEMORY_ERROR;
+    }
+    answer.flags |= (timed_out ? ANSWER_TIMED_OUT : 0) |
+                    (out_truncated ? ANSWER_STDOUT_TRUNCATED : 0) |
+                    (err_truncated ? ANSWER_STDERR_TRUNCATED : 0);
+    answer.stdout_bytes = (uint32_t)server->out.size;
+    answer.stderr_bytes = (uint32_t)server->err.size;
+    struct iovec parts[3] = {
+        {&answer, sizeof answer},
+        {server->out.data, server->out.size},
+        {server->err.data, server->err.size},
+    };
+    int answered = write_all(server->fd, parts, 3);
+    int answer_error = errno;
+
+    kill_leftovers(server);
+    if (rmdir(workdir) != 0) { /* most calls write no files: one syscall */
+        remove_tree(workdir);
+    }
+    for (int i = 0; i < server->private_dir_count; i++) {
+        empty_directory(&server->private_dirs[i]);
+    }
+    if (server->collapse && collapse_due(server->calls)) {
+        collapse_heap();
+    }
+    errno = answer_error;
+    return answered;
+}
+
+/* ---------------------------------------------------------------------------- the module */
+
+static PyObject *serve(PyObject *module, PyObject *args, PyObject *kwargs) {
+    (void)module;
+    static char *keywords[] = {"fd",
+                               "work_root",
+                               "call_uid",
+                               "kill_all",
+                               "collapse",
+                               "baseline_vm_bytes",
+                               "max_file_bytes",
+                               "max_open_files",
+                               "max_processes",
+                               "private_dirs",
+                               NULL};
+    static server_t server;
+    const char *work_root;
+    unsigned int call_uid;
+    int kill_all, collapse;
+    unsigned long long baseline;
+    PyObject *private_dirs;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "isIppKLLLO!", keywords, &server.fd,
+                                     &work_root, &call_uid, &kill_all, &collapse, &baseline,
+                                     &server.max_file_bytes, &server.max_open_files,
+                                     &server.max_processes, &PyDict_Type, &private_dirs)) {
+        return NULL;
+    }
+    snprintf(server.work_root, sizeof server.work_root, "%s", work_root);
+    server.call_uid = call_uid;
+    server.kill_all = kill_all;
+    server.collapse = collapse;
+    server.baseline_vm_bytes = baseline;
+    /* {path: [kept entry, ...]}: copied once, outside the Python heap. */
+    server.private_dir_count = (int)PyDict_Size(private_dirs);
+    server.private_dirs = PyMem_RawCalloc((size_t)server.private_dir_count + 1,
+                                          sizeof(private_dir_t));
+    Py_ssize_t position = 0;
+    PyObject *path, *kept;
+    for (int i = 0; PyDict_Next(private_dirs, &position, &path, &kept); i++) {
+        private_dir_t *dir = &server.private_dirs[i];
+        const char *text = PyUnicode_AsUTF8(path);
+        PyObject *entries = PySequence_Fast(kept, "kept entries must be a sequence");
+        if (text == NULL || entries == NULL) {
+            Py_XDECREF(entries);
+            return NULL;
+        }
+        snprintf(dir->path, sizeof dir->path, "%s", text);
+        for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(entries) && k < MAX_KEEP; k++) {
+            const char *entry = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(entries, k));
+            if (entry == NULL) {
+                Py_DECREF(entries);
+                return NULL;
+            }
+            dir->keep[dir->keep_count++] = strdup(entry);
+        }
+        Py_DECREF(entries);
+    }
+    server.code.shared = 1; /* the call reads its code from here */
+    if (buffer_reserve(&server.spill, READ_CHUNK) != 0) {
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+
+    for (;;) {
+        struct request_header request;
+        int got = read_exactly(server.fd, (char *)&request, sizeof request);
+        if (got <= 0) {
+            Py_RETURN_NONE; /* the worker went away */
+        }
+        if (buffer_reserve(&server.code, (size_t)request.code_bytes) != 0 ||
+            buffer_reserve(&server.input, (size_t)request.stdin_bytes) != 0) {
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        if (read_exactly(server.fd, server.code.data, request.code_bytes) < 0 ||
+            read_exactly(server.fd, server.input.data, request.stdin_bytes) < 0) {
+            Py_RETURN_NONE;
+        }
+        server.code.size = request.code_bytes;
+        pid_t child = -1;
+        if (run_call(&server, &request, &child) != 0) {
+            if (child == 0) {
+                _exit(1);
+            }
+            if (errno == EPIPE) {
+                Py_RETURN_NONE;
+            }
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        if (child == 0) {
+            return Py_BuildValue("(y#s)", server.code.data, (Py_ssize_t)request.code_bytes,
+                                 server.workdir);
+        }
+    }
+}
+
+static PyMethodDef methods[] = {
+    {"serve", (PyCFunction)(void (*)(void))serve, METH_VARARGS | METH_KEYWORDS,
+     "Serve calls on the control socket; returns (code, workdir) in each forked call, None "
+     "in the zygote when the worker closes the socket."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef definition = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_forkserver",
+    .m_doc = "The zygote's serving loop (see _forkserver.c).",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__forkserver(void) {
+    PyObject *module = PyModule_Create(&definition);
+    if (module == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(module, "ANSWER_TIMED_OUT", ANSWER_TIMED_OUT) ||
+        PyModule_AddIntConstant(module, "ANSWER_STDOUT_TRUNCATED", ANSWER_STDOUT_TRUNCATED) ||
+        PyModule_AddIntConstant(module, "ANSWER_STDERR_TRUNCATED", ANSWER_STDERR_TRUNCATED) ||
+        PyModule_AddIntConstant(module, "ANSWER_MEMORY_ERROR", ANSWER_MEMORY_ERROR)) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

@@ -1,0 +1,20 @@
+# The zygote's serving loop (_forkserver.c).
+
+ANSWER_TIMED_OUT: int
+ANSWER_STDOUT_TRUNCATED: int
+ANSWER_STDERR_TRUNCATED: int
+ANSWER_MEMORY_ERROR: int
+
+def serve(
+    *,
+    fd: int,
+    work_root: str,
+    call_uid: int,
+    kill_all: bool,
+    collapse: bool,
+    baseline_vm_bytes: int,
+    max_file_bytes: int,
+    max_open_files: int,
+    max_processes: int,
+    private_dirs: dict[str, list[str]],
+) -> tuple[bytes, str] | None: ...
