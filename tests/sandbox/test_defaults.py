@@ -125,6 +125,23 @@ def test_each_call_has_its_own_state(default_client: SandboxClient, preload: str
 
 
 @pytest.mark.parametrize("preload", ["", "import numpy\n"], ids=["light", "preloaded"])
+def test_each_call_starts_in_an_empty_directory(
+    default_client: SandboxClient, preload: str
+) -> None:
+    # Every call of a zygote runs at the same path, made afresh for it (see _forkserver.c).
+    code = preload + (
+        "import os, tempfile\n"
+        "home = os.environ['HOME']\n"
+        "print(os.listdir('.'), home == os.environ['TMPDIR'] == tempfile.gettempdir())\n"
+        "print(home == os.getcwd(), os.stat('.').st_mode & 0o777 == 0o700)\n"
+        "open('left.txt', 'w').write('x')\n"
+        "os.mkdir('locked'); open('locked/inside.txt', 'w').write('x'); os.chmod('locked', 0)\n"
+    )
+    for result in default_client.execute_batch([code] * 3):  # one executor: one after another
+        assert (result.status, result.stdout) == (pb.EXECUTION_STATUS_OK, "[] True\nTrue True\n")
+
+
+@pytest.mark.parametrize("preload", ["", "import numpy\n"], ids=["light", "preloaded"])
 def test_compile_warnings_reach_the_call(default_client: SandboxClient, preload: str) -> None:
     # Small code is compiled by the zygote before the fork; a warning must still be the call's.
     result = default_client.execute(preload + "x = 5\nprint(x is 5)\n")

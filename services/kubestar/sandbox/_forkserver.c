@@ -8,9 +8,10 @@
  * buffers mapped MADV_DONTFORK (never shared with a call) and its stack.
  *
  * `serve(...)` returns only in a forked call, after that call's process set-up (process
- * group, standard streams, working directory, rlimits, uid), with (code, workdir); the
- * Python side (zygote.py) then runs the code. In the zygote it returns None once the worker
- * closes the control socket.
+ * group, standard streams, working directory, rlimits, uid), with the call's code; the
+ * Python side (zygote.py) then runs it. In the zygote it returns None once the worker closes
+ * the control socket. Every call of a zygote runs in the same (fresh, emptied) directory, so
+ * HOME, TMPDIR and the import path are set once, not per call.
  *
  * Wire format, native byte order (the worker is on the same machine):
  *   request: double timeout_seconds, u64 memory_bytes, u64 output_bytes, u32 code_bytes,
@@ -98,7 +99,7 @@ typedef struct {
 
 typedef struct {
     int fd;
-    char work_root[PATH_MAX];
+    char workdir[PATH_MAX]; /* each call's, created before and removed after it */
     uid_t call_uid;
     int kill_all; /* PID 1 of a PID namespace: kill(-1) reaches every leftover */
     int collapse;
@@ -107,7 +108,6 @@ typedef struct {
     private_dir_t *private_dirs;
     int private_dir_count;
     unsigned long calls;
-    char workdir[PATH_MAX]; /* the current call's */
     buffer_t code, input, out, err, spill;
 } server_t;
 
@@ -393,11 +393,28 @@ static int read_output(int fd, buffer_t *buffer, buffer_t *spill, size_t cap, in
 }
 
 /* Runs one call; returns 0, or -1 with errno set when the zygote itself failed. */
+/* A fresh directory at the call's path. What a call left there that could not be removed
+ * (a directory it made unreadable) is moved aside, never handed to the next call. */
+static int make_workdir(server_t *server) {
+    const char *workdir = server->workdir;
+    if (mkdir(workdir, 0700) == 0) {
+        return 0;
+    }
+    if (errno != EEXIST) {
+        return -1;
+    }
+    char aside[PATH_MAX + 32];
+    snprintf(aside, sizeof aside, "%s.left-%lu", workdir, server->calls);
+    if (rename(workdir, aside) != 0) {
+        return -1;
+    }
+    return mkdir(workdir, 0700);
+}
+
 static int run_call(server_t *server, const struct request_header *request, pid_t *child) {
-    char *workdir = server->workdir;
+    const char *workdir = server->workdir;
     server->calls++;
-    snprintf(workdir, PATH_MAX, "%s/call-%lu", server->work_root, server->calls);
-    if (mkdir(workdir, 0700) != 0) {
+    if (make_workdir(server) != 0) {
         return -1;
     }
     if (server->call_uid != 0 && chown(workdir, server->call_uid, server->call_uid) != 0) {
@@ -546,7 +563,7 @@ static int run_call(server_t *server, const struct request_header *request, pid_
 static PyObject *serve(PyObject *module, PyObject *args, PyObject *kwargs) {
     (void)module;
     static char *keywords[] = {"fd",
-                               "work_root",
+                               "workdir",
                                "call_uid",
                                "kill_all",
                                "collapse",
@@ -557,18 +574,18 @@ static PyObject *serve(PyObject *module, PyObject *args, PyObject *kwargs) {
                                "private_dirs",
                                NULL};
     static server_t server;
-    const char *work_root;
+    const char *workdir;
     unsigned int call_uid;
     int kill_all, collapse;
     unsigned long long baseline;
     PyObject *private_dirs;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "isIppKLLLO!", keywords, &server.fd,
-                                     &work_root, &call_uid, &kill_all, &collapse, &baseline,
+                                     &workdir, &call_uid, &kill_all, &collapse, &baseline,
                                      &server.max_file_bytes, &server.max_open_files,
                                      &server.max_processes, &PyDict_Type, &private_dirs)) {
         return NULL;
     }
-    snprintf(server.work_root, sizeof server.work_root, "%s", work_root);
+    snprintf(server.workdir, sizeof server.workdir, "%s", workdir);
     server.call_uid = call_uid;
     server.kill_all = kill_all;
     server.collapse = collapse;
@@ -629,15 +646,14 @@ static PyObject *serve(PyObject *module, PyObject *args, PyObject *kwargs) {
             return PyErr_SetFromErrno(PyExc_OSError);
         }
         if (child == 0) {
-            return Py_BuildValue("(y#s)", server.code.data, (Py_ssize_t)request.code_bytes,
-                                 server.workdir);
+            return PyBytes_FromStringAndSize(server.code.data, (Py_ssize_t)request.code_bytes);
         }
     }
 }
 
 static PyMethodDef methods[] = {
     {"serve", (PyCFunction)(void (*)(void))serve, METH_VARARGS | METH_KEYWORDS,
-     "Serve calls on the control socket; returns (code, workdir) in each forked call, None "
+     "Serve calls on the control socket; returns the code in each forked call, None "
      "in the zygote when the worker closes the socket."},
     {NULL, NULL, 0, NULL},
 };

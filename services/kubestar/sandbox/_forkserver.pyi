@@ -8,7 +8,7 @@ ANSWER_MEMORY_ERROR: int
 def serve(
     *,
     fd: int,
-    work_root: str,
+    workdir: str,
     call_uid: int,
     kill_all: bool,
     collapse: bool,
@@ -17,4 +17,4 @@ def serve(
     max_open_files: int,
     max_processes: int,
     private_dirs: dict[str, list[str]],
-) -> tuple[bytes, str] | None: ...
+) -> bytes | None: ...

@@ -69,11 +69,12 @@ def serve(fd: int, settings: dict[str, Any]) -> None:
     is_root = os.geteuid() == 0
     # Calls run as their own uid only as root; not as root they run as the service's uid.
     call_uid = settings["uid"] if is_root and settings["uid"] else 0
+    # Each call runs in this directory, made afresh for it and removed after it.
+    workdir = f"{work_root}/call"
     os.environ.clear()
-    os.environ.update(CALL_ENV)
+    os.environ.update(CALL_ENV, HOME=workdir, TMPDIR=workdir)
     sys.argv = ["<tool_call>"]
-    # Slot 0 of the import path is each call's working directory (set in each call).
-    sys.path.insert(0, work_root)
+    sys.path.insert(0, workdir)
     # The first compile() of a process is slow (~1 ms): pay it here, not in every call.
     compile("pass", "<zygote>", "exec")
     # Pages of the pre-imported modules stay shared with every forked child.
@@ -82,9 +83,9 @@ def serve(fd: int, settings: dict[str, Any]) -> None:
     baseline_vm_bytes = _virtual_memory_bytes()
     ready = {"ready": True, "isolation": isolation, "baseline_vm_bytes": baseline_vm_bytes}
     os.write(fd, encode_message({**ready, "pid": os.getpid()}))
-    call = _forkserver.serve(
+    code = _forkserver.serve(
         fd=fd,
-        work_root=work_root,
+        workdir=workdir,
         call_uid=call_uid,
         # PID 1 of a PID namespace: kill(-1) reaches everything a call left behind.
         kill_all=isolation["pid_namespace"],
@@ -98,15 +99,14 @@ def serve(fd: int, settings: dict[str, Any]) -> None:
         # Emptied after each call but for the call directories and the runtime shown there.
         private_dirs={path: [work_root, *keep] for path, keep in settings["private_tmpfs"].items()},
     )
-    if call is not None:  # in a forked call
-        run_call(*call)
+    if code is not None:  # in a forked call
+        run_call(code)
 
 
-def run_call(code: bytes, workdir: str) -> NoReturn:
+def run_call(code: bytes) -> NoReturn:
     """Run the call's code in this forked process (its set-up is done) and exit."""
     exit_code = 1
     try:
-        os.environ["HOME"] = os.environ["TMPDIR"] = sys.path[0] = workdir
         try:
             compiled = compile(code.decode(), "<tool_call>", "exec")
         except SyntaxError as error:
