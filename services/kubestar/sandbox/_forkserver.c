@@ -541,10 +541,10 @@ static int run_call(server_t *server, const struct request_header *request, pid_
         {server->out.data, server->out.size},
         {server->err.data, server->err.size},
     };
+    /* Nothing the call started outlives its answer; its files are removed after it. */
+    kill_leftovers(server);
     int answered = write_all(server->fd, parts, 3);
     int answer_error = errno;
-
-    kill_leftovers(server);
     if (rmdir(workdir) != 0) { /* most calls write no files: one syscall */
         remove_tree(workdir);
     }
