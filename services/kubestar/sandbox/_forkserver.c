@@ -392,7 +392,6 @@ static int read_output(int fd, buffer_t *buffer, buffer_t *spill, size_t cap, in
     return got > 0; /* 0: end of file (or a broken pipe) */
 }
 
-/* Runs one call; returns 0, or -1 with errno set when the zygote itself failed. */
 /* A fresh directory at the call's path. What a call left there that could not be removed
  * (a directory it made unreadable) is moved aside, never handed to the next call. */
 static int make_workdir(server_t *server) {
@@ -411,6 +410,7 @@ static int make_workdir(server_t *server) {
     return mkdir(workdir, 0700);
 }
 
+/* Runs one call; returns 0, or -1 with errno set when the zygote itself failed. */
 static int run_call(server_t *server, const struct request_header *request, pid_t *child) {
     const char *workdir = server->workdir;
     server->calls++;
@@ -630,9 +630,9 @@ static PyObject *serve(PyObject *module, PyObject *args, PyObject *kwargs) {
             buffer_reserve(&server.input, (size_t)request.stdin_bytes) != 0) {
             return PyErr_SetFromErrno(PyExc_OSError);
         }
-        if (read_exactly(server.fd, server.code.data, request.code_bytes) < 0 ||
-            read_exactly(server.fd, server.input.data, request.stdin_bytes) < 0) {
-            Py_RETURN_NONE;
+        if (read_exactly(server.fd, server.code.data, request.code_bytes) <= 0 ||
+            read_exactly(server.fd, server.input.data, request.stdin_bytes) <= 0) {
+            Py_RETURN_NONE; /* the worker went away mid-request */
         }
         server.code.size = request.code_bytes;
         pid_t child = -1;
@@ -640,8 +640,8 @@ static PyObject *serve(PyObject *module, PyObject *args, PyObject *kwargs) {
             if (child == 0) {
                 _exit(1);
             }
-            if (errno == EPIPE) {
-                Py_RETURN_NONE;
+            if (errno == EPIPE || errno == ECONNRESET) {
+                Py_RETURN_NONE; /* the worker went away before the answer */
             }
             return PyErr_SetFromErrno(PyExc_OSError);
         }

@@ -60,12 +60,14 @@ def encode_message(message: dict[str, Any]) -> bytes:
 
 def serve(fd: int, settings: dict[str, Any]) -> None:
     isolation: dict[str, Any] = settings["isolation"]
-    work_root = WORK_ROOT if isolation["mount_namespace"] else ""
-    if not work_root:
-        import tempfile
-
-        work_root = tempfile.mkdtemp(prefix="kubestar-calls-")
-    os.makedirs(work_root, mode=0o711, exist_ok=True)
+    if isolation["mount_namespace"]:
+        work_root = WORK_ROOT  # on this zygote's private /tmp
+        os.makedirs(work_root, mode=0o711, exist_ok=True)
+    else:
+        # On the shared /tmp: a new, unguessable directory (mkdir fails on anything already
+        # there, symlinks included), without importing tempfile (random, hashlib, shutil, ...).
+        work_root = f"/tmp/kubestar-calls-{os.urandom(8).hex()}"
+        os.mkdir(work_root, 0o700)
     is_root = os.geteuid() == 0
     # Calls run as their own uid only as root; not as root they run as the service's uid.
     call_uid = settings["uid"] if is_root and settings["uid"] else 0
