@@ -143,10 +143,22 @@ def test_each_call_starts_in_an_empty_directory(
 
 @pytest.mark.parametrize("preload", ["", "import numpy\n"], ids=["light", "preloaded"])
 def test_compile_warnings_reach_the_call(default_client: SandboxClient, preload: str) -> None:
-    # Small code is compiled by the zygote before the fork; a warning must still be the call's.
+    # The call compiles its own code: a warning about it is on the call's stderr.
     result = default_client.execute(preload + "x = 5\nprint(x is 5)\n")
     assert (result.status, result.stdout) == (pb.EXECUTION_STATUS_OK, "True\n"), result
     assert "SyntaxWarning" in result.stderr and '"is" with a literal' in result.stderr
+
+
+@pytest.mark.parametrize("preload", ["", "import numpy\n"], ids=["light", "preloaded"])
+def test_a_call_runs_as_a_script(default_client: SandboxClient, preload: str) -> None:
+    # As `python script.py` runs it: `__main__`, the builtins module, and none of the
+    # zygote's own compiler flags (zygote.py has `from __future__ import annotations`).
+    code = preload + (
+        "def f(x: int) -> None: pass\n"
+        "print(__name__, type(__builtins__).__name__, f.__annotations__['x'] is int)\n"
+    )
+    result = default_client.execute(code)
+    assert (result.status, result.stdout) == (pb.EXECUTION_STATUS_OK, "__main__ module True\n")
 
 
 def test_calls_run_nicer_than_the_server(default_client: SandboxClient) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -135,16 +136,14 @@ class ExecutorPool(Backend):
             attempts += 1
             self._in_flight += 1
             metrics.IN_FLIGHT.inc()
-            run = asyncio.ensure_future(executor.run(execution.code, execution.stdin, limits))
+            running = executor.submit(execution.code, execution.stdin, limits)
             try:
-                answer = await asyncio.shield(run)
+                answer = await asyncio.shield(running)
             except asyncio.CancelledError:
                 # The caller went away (client deadline, broken stream): the executor still
                 # finishes the call and must not be lost, nor answer the next call with this
                 # call's result. It rejoins the pool once its answer was read.
-                task = asyncio.ensure_future(self._reclaim(executor, run))
-                self._reclaiming.add(task)
-                task.add_done_callback(self._reclaiming.discard)
+                running.add_done_callback(functools.partial(self._reclaim, executor))
                 raise
             except ExecutorDied as error:
                 log.warning(
@@ -221,15 +220,15 @@ class ExecutorPool(Backend):
             return
         self._release(executor)
 
-    async def _reclaim(self, executor: Executor, run: asyncio.Future[dict[str, Any]]) -> None:
-        try:
-            await run
-        except Exception:
-            if not self._stopped:
-                await self._restart(executor)
+    def _reclaim(self, executor: Executor, running: asyncio.Future[dict[str, Any]]) -> None:
+        if self._stopped:
             return
-        if not self._stopped:
+        if running.exception() is None:
             self._release(executor)
+            return
+        task = asyncio.get_running_loop().create_task(self._restart(executor))
+        self._reclaiming.add(task)
+        task.add_done_callback(self._reclaiming.discard)
 
     async def _restart_later(self, executor: Executor) -> None:
         await asyncio.sleep(1.0)

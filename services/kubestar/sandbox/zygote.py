@@ -6,7 +6,8 @@ process is paid for by each call three times (the fork copies its page-table ent
 exit drops it, and the zygote's first write to it after a fork is a fault), so it imports only
 the few standard modules below (the light zygote, started with -S, stays about as small as an
 interpreter can be), and its serving loop is C (_forkserver.c): between two forks it writes no
-page of the Python heap. The loop returns into Python only in a forked call (`run_call`).
+page of the Python heap. A forked call runs its code from C too, as the `__main__` of a
+script, and exits: it never returns into this module.
 
 Per call (in the forked child): own process group, fresh private working directory, scrubbed
 environment, rlimits (CPU, address space, processes, file size, open files, no core dumps),
@@ -19,7 +20,6 @@ a `marshal`-encoded dict; calls and answers use _forkserver's fixed headers (see
 
 from __future__ import annotations
 
-import builtins
 import gc
 import marshal
 import os
@@ -27,7 +27,7 @@ import sys
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (and its 30 modules)
 if TYPE_CHECKING:
-    from typing import Any, NoReturn
+    from typing import Any
 
     from kubestar.sandbox import _forkserver
 else:
@@ -49,8 +49,6 @@ CALL_ENV = {
     "MPLBACKEND": "Agg",
 }
 HEADER_BYTES = 4
-# The call's report channel (fd 3): "M" when it ran out of memory.
-REPORT_FD = 3
 
 
 def encode_message(message: dict[str, Any]) -> bytes:
@@ -85,7 +83,7 @@ def serve(fd: int, settings: dict[str, Any]) -> None:
     baseline_vm_bytes = _virtual_memory_bytes()
     ready = {"ready": True, "isolation": isolation, "baseline_vm_bytes": baseline_vm_bytes}
     os.write(fd, encode_message({**ready, "pid": os.getpid()}))
-    code = _forkserver.serve(
+    _forkserver.serve(
         fd=fd,
         workdir=workdir,
         call_uid=call_uid,
@@ -101,57 +99,6 @@ def serve(fd: int, settings: dict[str, Any]) -> None:
         # Emptied after each call but for the call directories and the runtime shown there.
         private_dirs={path: [work_root, *keep] for path, keep in settings["private_tmpfs"].items()},
     )
-    if code is not None:  # in a forked call
-        run_call(code)
-
-
-def run_call(code: bytes) -> NoReturn:
-    """Run the call's code in this forked process (its set-up is done) and exit."""
-    exit_code = 1
-    try:
-        try:
-            compiled = compile(code.decode(), "<tool_call>", "exec")
-        except SyntaxError as error:
-            sys.__excepthook__(type(error), error, None)  # as Python shows it for a script
-            os._exit(1)
-        exit_code = 0
-        try:
-            exec(compiled, {"__name__": "__main__", "__builtins__": builtins})
-        except SystemExit as stop:
-            exit_code = _system_exit_code(stop)
-        except MemoryError as error:
-            os.write(REPORT_FD, b"M")
-            _print_user_traceback(error)
-            exit_code = 1
-        except BaseException as error:
-            _print_user_traceback(error)
-            exit_code = 1
-    except BaseException as error:
-        sys.__excepthook__(type(error), error, error.__traceback__)
-        exit_code = 1
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except BaseException:
-            pass
-        os._exit(exit_code)
-
-
-def _system_exit_code(stop: SystemExit) -> int:
-    if stop.code is None:
-        return 0
-    if isinstance(stop.code, int):
-        return stop.code & 0xFF
-    print(stop.code, file=sys.stderr)
-    return 1
-
-
-def _print_user_traceback(error: BaseException) -> None:
-    # Drop the zygote's own frame so the traceback starts at the tool call's code. The
-    # interpreter's own printer: the traceback module is not imported here (see the top).
-    tb = error.__traceback__.tb_next if error.__traceback__ else None
-    sys.__excepthook__(type(error), error.with_traceback(tb), tb)
 
 
 def _virtual_memory_bytes() -> int:
