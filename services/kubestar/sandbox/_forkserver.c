@@ -7,11 +7,12 @@
  * reaps it and everything it left behind, answers and cleans up with its own memory only:
  * buffers mapped MADV_DONTFORK (never shared with a call) and its stack.
  *
- * `serve(...)` returns only in a forked call, after that call's process set-up (process
- * group, standard streams, working directory, rlimits, uid), with the call's code; the
- * Python side (zygote.py) then runs it. In the zygote it returns None once the worker closes
- * the control socket. Every call of a zygote runs in the same (fresh, emptied) directory, so
- * HOME, TMPDIR and the import path are set once, not per call.
+ * A forked call sets itself up (process group, standard streams, working directory, rlimits,
+ * uid), then compiles and runs its code as a script's `__main__` (`run_code`) and exits: it
+ * never returns into Python code of the zygote, whose objects it would write. `serve(...)`
+ * returns None in the zygote once the worker closes the control socket. Every call of a
+ * zygote runs in the same (fresh, emptied) directory, so HOME, TMPDIR and the import path are
+ * set once, not per call.
  *
  * Wire format, native byte order (the worker is on the same machine):
  *   request: double timeout_seconds, u64 memory_bytes, u64 output_bytes, u32 code_bytes,
