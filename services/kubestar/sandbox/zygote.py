@@ -75,8 +75,11 @@ def serve(fd: int, settings: dict[str, Any]) -> None:
     os.environ.update(CALL_ENV, HOME=workdir, TMPDIR=workdir)
     sys.argv = ["<tool_call>"]
     sys.path.insert(0, workdir)
-    # The first compile() of a process is slow (~1 ms): pay it here, not in every call.
-    compile("pass", "<zygote>", "exec")
+    # What a process sets up on first use (the compiler, print's argument parser, the method
+    # cache entries of the standard streams) is set up here once, not written in every call.
+    exec(compile("print(end='')", "<zygote>", "exec"), {"__name__": "__main__"})
+    sys.stdout.flush()
+    sys.stderr.flush()
     # Pages of the pre-imported modules stay shared with every forked child.
     gc.collect()
     gc.freeze()
