@@ -161,6 +161,17 @@ def test_a_call_runs_as_a_script(default_client: SandboxClient, preload: str) ->
     assert (result.status, result.stdout) == (pb.EXECUTION_STATUS_OK, "__main__ module True\n")
 
 
+def test_the_preloading_zygote_took_the_free_allocator_blocks(
+    default_client: SandboxClient,
+) -> None:
+    # sys.modules["__main__"] of a call's process is the zygote script (zygote.py); its
+    # statistics parser must still understand what this Python's allocator reports.
+    code = "import sys\nprint(len(sys.modules['__main__']._TAKEN_BLOCKS) > 0)\n"
+    preloaded, light = default_client.execute_batch(["import numpy\n" + code, code])
+    assert (preloaded.status, preloaded.stdout) == (pb.EXECUTION_STATUS_OK, "True\n"), preloaded
+    assert (light.status, light.stdout) == (pb.EXECUTION_STATUS_OK, "False\n"), light
+
+
 def test_calls_run_nicer_than_the_server(default_client: SandboxClient) -> None:
     # The server is in this process (ThreadedServer); a CPU-bound call must not starve it.
     result = default_client.execute("import os\nprint(os.nice(0))")
