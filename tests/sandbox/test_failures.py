@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from kubestar.sandbox import executor as executor_module
 from kubestar.sandbox.client import Call, SandboxClient
 from kubestar.sandbox.dispatcher import WorkerDispatcher
 from kubestar.sandbox.pool import ExecutorPool
@@ -28,6 +29,7 @@ from tests.sandbox.support import (
     leftover_processes,
     pool_of,
     process_alive,
+    zygote_pids,
 )
 
 OK = pb.EXECUTION_STATUS_OK
@@ -120,6 +122,25 @@ def test_idle_executor_killed(own_server: ThreadedServer) -> None:
     assert all(
         process.pid not in pids for executor in pool.executors for process in executor.processes
     )
+
+
+def test_a_zygote_that_stops_answering_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A zygote that hangs (here: stopped) answers nothing; after the call's timeout and the
+    # grace period the worker gives up on it, restarts the executor and runs the call again.
+    monkeypatch.setattr(executor_module, "ANSWER_GRACE_SECONDS", 0.5)
+    config = ServerConfig(listen="127.0.0.1:0", executors=1, executor=executor_config())
+    threaded = ThreadedServer(config).start()
+    try:
+        stopped = zygote_pids(pool_of(threaded))
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        with SandboxClient(threaded.endpoint, timeout=60) as client:
+            result = client.execute(Call(code="print('answered')", timeout_seconds=0.5))
+            assert (result.status, result.stdout, result.attempts) == (OK, "answered\n", 2)
+            wait_for(lambda: not any(process_alive(pid) for pid in stopped))
+            assert_still_serving(client)
+    finally:
+        threaded.stop()
 
 
 def test_abandoned_calls_do_not_lose_executors(own_server: ThreadedServer) -> None:

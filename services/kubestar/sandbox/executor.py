@@ -129,6 +129,7 @@ class ZygoteChannel(asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray(CHANNEL_BUFFER_BYTES)
         self._filled = 0
+        self._closed_because = ""
 
     @property
     def open(self) -> bool:
@@ -143,8 +144,9 @@ class ZygoteChannel(asyncio.BufferedProtocol):
         self.pending = pending
         self._transport.write(request)
 
-    def close(self) -> None:
+    def close(self, reason: str = "") -> None:
         if self._transport is not None:
+            self._closed_because = reason
             self._transport.abort()  # connection_lost fails what is pending
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -166,7 +168,7 @@ class ZygoteChannel(asyncio.BufferedProtocol):
             return
         pending, self.pending = self.pending, None
         if pending is None or self._filled > end:
-            self.close()  # an answer to no call: this zygote cannot be trusted any more
+            self.close("it answered a call it was not given")  # no longer to be trusted
             return
         with memoryview(self._buffer) as view:
             output = bytes(view[ANSWER_HEADER.size : end])
@@ -192,7 +194,8 @@ class ZygoteChannel(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
-        died = ExecutorDied(f"{self.name} went away" + (f": {exc!r}" if exc else ""))
+        why = self._closed_because or (f"{exc!r}" if exc else "it closed its socket")
+        died = ExecutorDied(f"{self.name} went away: {why}")
         if not self.ready.done():
             self.ready.set_exception(died)
         pending, self.pending = self.pending, None
@@ -282,7 +285,8 @@ class ZygoteProcess:
             len(source),
             len(given),
         )
-        deadline = loop.call_later(limits.timeout_seconds + ANSWER_GRACE_SECONDS, channel.close)
+        wait = limits.timeout_seconds + ANSWER_GRACE_SECONDS
+        deadline = loop.call_later(wait, channel.close, f"no answer within {wait:g}s")
         channel.send(header + source + given, PendingCall(answer, limits, deadline))
         return answer
 

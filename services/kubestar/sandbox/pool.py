@@ -223,7 +223,7 @@ class ExecutorPool(Backend):
     def _reclaim(self, executor: Executor, running: asyncio.Future[dict[str, Any]]) -> None:
         if self._stopped:
             return
-        if running.exception() is None:
+        if not running.cancelled() and running.exception() is None:
             self._release(executor)
             return
         task = asyncio.get_running_loop().create_task(self._restart(executor))
