@@ -140,7 +140,9 @@ class TestError:
     def test_syntax_error(self, client: SandboxClient) -> None:
         result = client.execute("def broken(:\n    pass")
         assert (result.status, result.exit_code) == (ERROR, 1)
-        assert "SyntaxError" in result.stderr
+        # As `python script.py` shows it: no traceback, no frame of the service.
+        assert result.stderr.startswith('  File "<tool_call>", line 1\n'), result.stderr
+        assert result.stderr.rstrip().endswith("SyntaxError: invalid syntax"), result.stderr
 
     def test_killed_by_a_signal(self, client: SandboxClient) -> None:
         result = client.execute("import os; os.kill(os.getpid(), 15)")

@@ -134,7 +134,10 @@ async def test_kv_aware_batch_completes_without_preemptions(
     # Capacity binds: 3 turns fit per engine, so some turns had to wait (how many depends on
     # how fast the others finish, i.e. on the machine's load).
     assert (queued or 0) >= 1
-    assert status.admitted == BATCH and status.retried == 0
+    # A turn is admitted once, and once more each time a slowed engine's turn moved to an
+    # idle one (under other load on the machine one engine can fall behind).
+    moved = server.metrics.registry.get_sample_value("kubestar_scheduler_moved_total") or 0
+    assert status.admitted == BATCH + moved and status.retried == 0
 
 
 async def test_kv_aware_in_segments_completes_without_preemptions(
