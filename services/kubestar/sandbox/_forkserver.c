@@ -360,7 +360,10 @@ static void empty_directory(const private_dir_t *dir) {
         if (strcmp(entry->d_name, ".") == 0 || strcmp(entry->d_name, "..") == 0) {
             continue;
         }
-        snprintf(full, sizeof full, "%s/%s", dir->path, entry->d_name);
+        int length = snprintf(full, sizeof full, "%s/%s", dir->path, entry->d_name);
+        if (length < 0 || (size_t)length >= sizeof full) {
+            continue; /* cut short, it would name another entry */
+        }
         int kept = 0;
         for (int i = 0; i < dir->keep_count && !kept; i++) {
             kept = strcmp(full, dir->keep[i]) == 0;

@@ -1,4 +1,4 @@
-# The zygote's serving loop (_forkserver.c).
+# The zygote's serving loop and the forked call's runner (_forkserver.c).
 
 ANSWER_TIMED_OUT: int
 ANSWER_STDOUT_TRUNCATED: int
@@ -17,4 +17,4 @@ def serve(
     max_open_files: int,
     max_processes: int,
     private_dirs: dict[str, list[str]],
-) -> bytes | None: ...
+) -> None: ...  # returns when the worker closes fd; a forked call never returns
