@@ -172,6 +172,42 @@ def test_the_preloading_zygote_took_the_free_allocator_blocks(
     assert (light.status, light.stdout) == (pb.EXECUTION_STATUS_OK, "False\n"), light
 
 
+def _huge_pages_enabled() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as setting:
+            return "[never]" not in setting.read()
+    except OSError:
+        return False
+
+
+# Where in its own memory a call finds the interpreter's code: "anonymous" once the zygote
+# moved it to huge pages (the file's name otherwise), and whether that mapping is huge.
+WHERE_IS_THE_INTERPRETERS_CODE = """
+import ctypes
+address = ctypes.cast(ctypes.pythonapi.PyEval_EvalCode, ctypes.c_void_p).value
+inside = False
+for line in open("/proc/self/smaps"):
+    fields = line.split()
+    if "-" in fields[0] and not fields[0].endswith(":"):
+        low, high = (int(bound, 16) for bound in fields[0].split("-"))
+        inside = low <= address < high
+        if inside:
+            name = fields[5] if len(fields) > 5 else "anonymous"
+    elif inside and fields[0] == "AnonHugePages:":
+        print(name, int(fields[1]) >= 2048)
+"""
+
+
+@pytest.mark.skipif(not _huge_pages_enabled(), reason="transparent huge pages are off")
+@pytest.mark.parametrize("preload", ["", "import numpy\n"], ids=["light", "preloaded"])
+def test_calls_run_the_interpreters_code_from_huge_pages(
+    default_client: SandboxClient, preload: str
+) -> None:
+    # Copied to huge pages by the zygote, so that no call faults it in again (_forkserver.c).
+    result = default_client.execute(preload + WHERE_IS_THE_INTERPRETERS_CODE)
+    assert (result.status, result.stdout) == (pb.EXECUTION_STATUS_OK, "anonymous True\n"), result
+
+
 def test_calls_run_nicer_than_the_server(default_client: SandboxClient) -> None:
     # The server is in this process (ThreadedServer); a CPU-bound call must not starve it.
     result = default_client.execute("import os\nprint(os.nice(0))")

@@ -5,6 +5,7 @@ ANSWER_STDOUT_TRUNCATED: int
 ANSWER_STDERR_TRUNCATED: int
 ANSWER_MEMORY_ERROR: int
 
+def move_code_to_huge_pages() -> int: ...  # bytes of the interpreter's code moved
 def serve(
     *,
     fd: int,

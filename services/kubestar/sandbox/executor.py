@@ -218,6 +218,8 @@ class ZygoteProcess:
         self.light = light
         self.process: asyncio.subprocess.Process | None = None
         self.isolation: dict[str, Any] = {}
+        # Bytes of the interpreter's code the zygote maps from huge pages (_forkserver.c).
+        self.code_in_huge_pages = 0
         self._channel: ZygoteChannel | None = None
 
     @property
@@ -267,6 +269,7 @@ class ZygoteProcess:
         _, self._channel = await loop.create_connection(lambda: ZygoteChannel(self.name), sock=ours)
         ready = await asyncio.wait_for(self._channel.ready, START_TIMEOUT_SECONDS)
         self.isolation = ready["isolation"]
+        self.code_in_huge_pages = ready["code_in_huge_pages"]
 
     def submit(self, code: str, stdin: str, limits: CallLimits) -> asyncio.Future[dict[str, Any]]:
         """Send one call; the future gets its answer (see `make_answer`), or ExecutorDied if the

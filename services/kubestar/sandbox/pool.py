@@ -87,6 +87,7 @@ class ExecutorPool(Backend):
                     "executors": self.capacity,
                     "preload": list(self.config.preload),
                     "light_zygotes": self.executors[0].light is not None,
+                    "code_in_huge_pages": self.executors[0].zygote.code_in_huge_pages,
                     **isolation,
                 }
             },

@@ -75,6 +75,8 @@ def serve(fd: int, settings: dict[str, Any]) -> None:
     os.environ.update(CALL_ENV, HOME=workdir, TMPDIR=workdir)
     sys.argv = ["<tool_call>"]
     sys.path.insert(0, workdir)
+    # No call faults the interpreter's code in again: it is mapped from huge pages (_forkserver.c).
+    code_in_huge_pages = _forkserver.move_code_to_huge_pages()
     # What a process sets up on first use (the compiler, print's argument parser, the method
     # cache entries of the standard streams) is set up here once, not written in every call.
     exec(compile("print(end='')", "<zygote>", "exec"), {"__name__": "__main__"})
@@ -86,7 +88,12 @@ def serve(fd: int, settings: dict[str, Any]) -> None:
         _take_free_allocator_blocks()
     gc.freeze()
     baseline_vm_bytes = _virtual_memory_bytes()
-    ready = {"ready": True, "isolation": isolation, "baseline_vm_bytes": baseline_vm_bytes}
+    ready = {
+        "ready": True,
+        "isolation": isolation,
+        "baseline_vm_bytes": baseline_vm_bytes,
+        "code_in_huge_pages": code_in_huge_pages,
+    }
     os.write(fd, encode_message({**ready, "pid": os.getpid()}))
     _forkserver.serve(
         fd=fd,
