@@ -507,8 +507,9 @@ static int find_read_only_span(uintptr_t address, uintptr_t *low, uintptr_t *hig
  * entries to unmap at exit. In huge pages, fork copies one entry per 2 MiB and the call never
  * faults on it. The copy is read + execute throughout (the constants between the code become
  * executable too: no loss for code that may run native code anyway) and costs each zygote its
- * size in memory. Best effort: returns the bytes moved, 0 where the kernel does not allow
- * (no huge pages, W^X policies, unaligned spans). */
+ * size in memory; profilers that read /proc/PID/maps see it as anonymous memory. Best effort:
+ * returns the bytes moved, 0 where the kernel does not allow it (no huge pages, W^X policies,
+ * no 2 MiB-aligned stretch). */
 static PyObject *move_code_to_huge_pages(PyObject *module, PyObject *unused) {
     (void)module, (void)unused;
     uintptr_t low, high;
