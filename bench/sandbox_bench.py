@@ -163,9 +163,7 @@ def cpu_seconds(pid: int, with_children: bool) -> float:
 class Sampler:
     """Peak summed RSS (and PSS) over process trees, sampled from the running event loop."""
 
-    # PSS every 2 s: one sample reads smaps_rollup of every process (~15 ms of CPU with 17
-    # processes), taken from the server under test.
-    def __init__(self, roots: list[int], interval: float = 0.1, pss_every: int = 20) -> None:
+    def __init__(self, roots: list[int], interval: float = 0.1, pss_every: int = 5) -> None:
         self.roots = roots
         self.interval = interval
         self.pss_every = pss_every
@@ -623,7 +621,7 @@ LEGEND = """\
     (for python -c: each subprocess's own wall time).
   RSS MiB: peak of RSS summed over the server process(es) and all descendants (executors and
     the calls they fork), sampled every 0.1 s; shared pages count once per process, so this
-    overstates real use: PSS MiB (sampled every 2 s) splits shared pages fairly.
+    overstates real use: PSS MiB (sampled every 0.5 s) splits shared pages fairly.
     For python -c: summed over the running subprocesses.
   srv%/exe%/cli%/oth%: CPU of the gRPC server process(es) / executors and their calls (for
     python -c: the subprocesses) / this client process / everything else on the machine, in %
