@@ -435,6 +435,33 @@ static void kill_leftovers(server_t *server) {
     }
 }
 
+/* One line of /proc/self/maps (name: empty for anonymous memory). */
+typedef struct {
+    unsigned long start, end, inode;
+    char perms[8], device[16], name[256];
+} mapping_t;
+
+/* The next mapping listed in `maps`; 0 at the end. */
+static int next_mapping(FILE *maps, mapping_t *mapping) {
+    char line[512];
+    while (fgets(line, sizeof line, maps) != NULL) {
+        mapping->name[0] = '\0';
+        if (sscanf(line, "%lx-%lx %7s %*s %15s %lu %255s", &mapping->start, &mapping->end,
+                   mapping->perms, mapping->device, &mapping->inode, mapping->name) >= 5) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static uintptr_t huge_page_up(uintptr_t address) {
+    return (address + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1);
+}
+
+static uintptr_t huge_page_down(uintptr_t address) {
+    return address & ~(uintptr_t)(HUGE_PAGE - 1);
+}
+
 /* Map the heap with huge pages, so that forking a call stays cheap: fork() copies one
  * page-table entry per 4 KiB page but one per 2 MiB huge page, and the call's exit unmaps as
  * many. Best effort: an older kernel says EINVAL. */
@@ -443,19 +470,14 @@ static void collapse_heap(void) {
     if (maps == NULL) {
         return;
     }
-    char line[512];
-    while (fgets(line, sizeof line, maps) != NULL) {
-        unsigned long start, end;
-        char perms[8], name[256] = "";
-        if (sscanf(line, "%lx-%lx %7s %*s %*s %*s %255s", &start, &end, perms, name) < 3) {
-            continue;
-        }
+    mapping_t mapping;
+    while (next_mapping(maps, &mapping)) {
         /* Only private anonymous memory: the heap and malloc's (and Python's) mappings. */
-        if (strcmp(perms, "rw-p") != 0 || (name[0] != '\0' && strcmp(name, "[heap]") != 0)) {
+        if (strcmp(mapping.perms, "rw-p") != 0 ||
+            (mapping.name[0] != '\0' && strcmp(mapping.name, "[heap]") != 0)) {
             continue;
         }
-        start = (start + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1);
-        end &= ~(HUGE_PAGE - 1);
+        uintptr_t start = huge_page_up(mapping.start), end = huge_page_down(mapping.end);
         if (end > start) {
             madvise((void *)start, end - start, MADV_COLLAPSE);
         }
@@ -470,33 +492,26 @@ static int find_read_only_span(uintptr_t address, uintptr_t *low, uintptr_t *hig
     if (maps == NULL) {
         return -1;
     }
-    char line[512], run_file[64] = "";
-    unsigned long run_low = 0, run_high = 0;
+    mapping_t mapping, run = {0};
     int found = 0;
-    while (!found && fgets(line, sizeof line, maps) != NULL) {
-        unsigned long start, end, inode;
-        char perms[8], device[16];
-        if (sscanf(line, "%lx-%lx %7s %*s %15s %lu", &start, &end, perms, device, &inode) != 5) {
-            continue;
-        }
-        char file[64];
-        snprintf(file, sizeof file, "%s:%lu", device, inode);
-        int read_only_file = inode != 0 && perms[0] == 'r' && perms[1] == '-' && perms[3] == 'p';
-        if (read_only_file && start == run_high && strcmp(file, run_file) == 0) {
-            run_high = end; /* the run goes on */
-        } else if (run_low <= address && address < run_high) {
+    while (!found && next_mapping(maps, &mapping)) {
+        const char *perms = mapping.perms;
+        int read_only_file =
+            mapping.inode != 0 && perms[0] == 'r' && perms[1] == '-' && perms[3] == 'p';
+        if (read_only_file && mapping.start == run.end && mapping.inode == run.inode &&
+            strcmp(mapping.device, run.device) == 0) {
+            run.end = mapping.end; /* the run goes on */
+        } else if (run.start <= address && address < run.end) {
             found = 1; /* the run that held it ended */
         } else if (read_only_file) {
-            run_low = start, run_high = end;
-            snprintf(run_file, sizeof run_file, "%s", file);
+            run = mapping;
         } else {
-            run_low = run_high = 0;
-            run_file[0] = '\0';
+            run = (mapping_t){0};
         }
     }
     fclose(maps);
-    found = found || (run_low <= address && address < run_high);
-    *low = run_low, *high = run_high;
+    found = found || (run.start <= address && address < run.end);
+    *low = run.start, *high = run.end;
     return found ? 0 : -1;
 }
 
@@ -516,8 +531,7 @@ static PyObject *move_code_to_huge_pages(PyObject *module, PyObject *unused) {
     if (find_read_only_span((uintptr_t)&PyEval_EvalCode, &low, &high) != 0) {
         return PyLong_FromLong(0);
     }
-    uintptr_t start = (low + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1);
-    uintptr_t stop = high & ~(uintptr_t)(HUGE_PAGE - 1);
+    uintptr_t start = huge_page_up(low), stop = huge_page_down(high);
     if (stop <= start) {
         return PyLong_FromLong(0);
     }
@@ -528,7 +542,7 @@ static PyObject *move_code_to_huge_pages(PyObject *module, PyObject *unused) {
         return PyLong_FromLong(0);
     }
     /* Keep only a 2 MiB-aligned stretch of `size` bytes. */
-    char *copy = (char *)(((uintptr_t)mapped + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
+    char *copy = (char *)huge_page_up((uintptr_t)mapped);
     if (copy > mapped) {
         munmap(mapped, (size_t)(copy - mapped));
     }
