@@ -19,6 +19,7 @@ from tests.operator.cluster import (
     temporary_directory,
 )
 from tests.operator.support import CHART
+from tests.real_parts import missing
 
 SYSTEM = "kubestar-system"
 RELEASE = "kubestar"
@@ -29,7 +30,7 @@ _counter = itertools.count()
 def cluster() -> Iterator[LocalCluster]:
     reason = LocalCluster.ensure_binaries()
     if reason:
-        pytest.skip(f"no local Kubernetes control plane: {reason}")
+        missing(f"no local Kubernetes control plane: {reason}")
     with temporary_directory("kubestar-k8s-") as directory:
         local = LocalCluster(directory)
         try:

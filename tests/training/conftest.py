@@ -6,28 +6,24 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kubestar.common.net import free_port
 from kubestar.engine.launch import EngineProcess, EngineSettings
 
-from tests.sandbox.support import ThreadedServer, free_port
-from tests.training.rollout_support import engine_python, start_sandbox, tiny_model
+from tests.real_parts import engine_python, tiny_model
+from tests.sandbox.support import ThreadedServer
+from tests.training.rollout_support import start_sandbox
 
 MAX_MODEL_LEN = 1024
 
 
 @pytest.fixture(scope="module")
 def python() -> str:
-    found = engine_python()
-    if found is None:
-        pytest.skip(
-            "no python with vLLM: install the engine extra, or point KUBESTAR_ENGINE_PYTHON "
-            "at one (e.g. /work/vllm-venv/bin/python)"
-        )
-    return found
+    return engine_python()
 
 
 @pytest.fixture(scope="module")
 def model(python: str) -> Path:
-    return tiny_model(python)
+    return tiny_model()
 
 
 @pytest.fixture(scope="module")

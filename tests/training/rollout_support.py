@@ -1,12 +1,8 @@
-"""Helpers of the agent-loop tests: a hermetic ChatML tokenizer, sandbox servers, engines."""
+"""Helpers of the agent-loop tests: a hermetic ChatML tokenizer, sandbox servers, tool calls."""
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -69,60 +65,6 @@ def tool_call(code: str) -> str:
         + json.dumps({"name": "python", "arguments": {"code": code}})
         + "\n</tool_call>"
     )
-
-
-# Engines --------------------------------------------------------------------------------
-MODELS = (
-    Path(
-        os.environ.get("KUBESTAR_CACHE")
-        or os.path.join(
-            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kubestar"
-        )
-    )
-    / "models"
-)
-# CPU attention in vLLM needs head_dim >= 32: hidden 256 / 4 heads = 64.
-TINY_HIDDEN = 256
-
-
-def engine_python() -> str | None:
-    """A python with vLLM: KUBESTAR_ENGINE_PYTHON, this one, or /work/vllm-venv's."""
-    candidates = [os.environ.get("KUBESTAR_ENGINE_PYTHON", ""), sys.executable]
-    candidates.append("/work/vllm-venv/bin/python")
-    for python in filter(None, candidates):
-        if not shutil.which(python) and not Path(python).exists():
-            continue
-        probe = subprocess.run(
-            [python, "-c", "import importlib.util as u; print(bool(u.find_spec('vllm')))"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        if probe.stdout.strip() == "True":
-            return python
-    return None
-
-
-def prepare_model(python: str, call: str) -> Path:
-    """Run a kubestar.engine.models preparation in the engine's python (it has torch)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO / "services"))
-    out = subprocess.run(
-        [python, "-c", f"from kubestar.engine.models import *; print({call})"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"{call} failed: {out.stderr[-2000:]}")
-    return Path(out.stdout.strip().splitlines()[-1])
-
-
-def tiny_model(python: str) -> Path:
-    folder = MODELS / f"tiny-random-llama-h{TINY_HIDDEN}-l2-s0"
-    if (folder / "model.safetensors").exists():
-        return folder
-    return prepare_model(python, f"prepare_tiny_model(hidden_size={TINY_HIDDEN})")
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float) -> bool:

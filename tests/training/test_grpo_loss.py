@@ -6,8 +6,11 @@ import math
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from tests.real_parts import require_modules
 
+require_modules("torch")
+
+import torch  # noqa: E402
 from kubestar.training.grpo import GrpoConfig, group_advantages, grpo_loss  # noqa: E402
 
 

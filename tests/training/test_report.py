@@ -8,8 +8,9 @@ import struct
 from pathlib import Path
 from typing import Any
 
-import pytest
 from kubestar.training.report import PLOTS, write_report
+
+from tests.real_parts import require_modules
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -90,7 +91,7 @@ def session_like_entries() -> list[dict[str, Any]]:
 
 
 def test_report_has_the_table_summaries_and_plots(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib", reason="plots need matplotlib (the training extra)")
+    require_modules("matplotlib")
     run_dir = tmp_path / "tiny-run"
     metrics_file(run_dir, session_like_entries())
     (run_dir / "status.json").write_text(
@@ -138,7 +139,7 @@ def test_report_has_the_table_summaries_and_plots(tmp_path: Path) -> None:
 
 
 def test_plot_of_the_tool_error_rates_draws_both_series(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib", reason="plots need matplotlib (the training extra)")
+    require_modules("matplotlib")
     from matplotlib.image import imread
 
     run_dir = tmp_path / "run"
@@ -152,7 +153,7 @@ def test_plot_of_the_tool_error_rates_draws_both_series(tmp_path: Path) -> None:
 
 
 def test_missing_values_and_an_empty_run(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib", reason="plots need matplotlib (the training extra)")
+    require_modules("matplotlib")
     empty = tmp_path / "empty"
     empty.mkdir()
     text = write_report(empty).read_text()

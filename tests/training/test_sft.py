@@ -8,7 +8,6 @@ call through the sandbox to compare what the model reads with what the code prin
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from collections import Counter
 from collections.abc import Iterator
@@ -39,11 +38,9 @@ from kubestar.training.tools import (
 )
 from kubestar.v1 import sandbox_pb2 as pb
 
+from tests.real_parts import require_modules, tiny_model
 from tests.sandbox.support import ThreadedServer
-from tests.training.rollout_support import MODELS, chat_tokenizer, start_sandbox
-
-SMOLLM2 = MODELS / "SmolLM2-135M-Instruct"
-TINY = MODELS / "tiny-random-llama-h64-l2-s0"
+from tests.training.rollout_support import start_sandbox
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +52,8 @@ def sandbox() -> Iterator[ThreadedServer]:
 
 @pytest.fixture(scope="module")
 def tokenizer() -> ChatTokenizer:
-    """SmolLM2's tokenizer when the model is prepared, else a hermetic ChatML BPE."""
-    for folder in (SMOLLM2, TINY):
-        if (folder / "tokenizer.json").exists():
-            return ChatTokenizer.from_model(folder)
-    return chat_tokenizer()
+    """SmolLM2's tokenizer (the tiny test model carries it)."""
+    return ChatTokenizer.from_model(tiny_model(hidden_size=64))
 
 
 @pytest.fixture(scope="module")
@@ -187,32 +181,21 @@ def test_too_small_a_token_budget_is_reported(
 
 
 def test_an_unreachable_sandbox_fails_the_build(tokenizer: ChatTokenizer) -> None:
-    from tests.sandbox.support import free_port
+    from kubestar.common.net import free_port
 
     with pytest.raises(RuntimeError, match="did not answer"):
         build_sft_examples(2, f"127.0.0.1:{free_port()}", tokenizer)
 
 
 # -- training -----------------------------------------------------------------------------------
-HAS_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not HAS_TORCH,
-    reason="torch and transformers are not importable in this interpreter (install the "
-    "engine extra, or run with /work/vllm-venv/bin/python)",
-)
 def test_short_sft_run_lowers_the_loss(sandbox: ThreadedServer) -> None:
+    require_modules("torch", "transformers")
     from kubestar.api.v1alpha1 import SftSpec
     from kubestar.training.policy import OptimizerConfig, Policy
     from kubestar.training.sft import run_sft
 
-    model = TINY
-    if not (model / "model.safetensors").exists():
-        from kubestar.engine.models import prepare_tiny_model
-
-        model = prepare_tiny_model(hidden_size=64)
+    model = tiny_model(hidden_size=64)
     policy = Policy(model, OptimizerConfig(learning_rate=1e-6), device="cpu", micro_batch_size=4)
     seen: list[tuple[str, int, int]] = []
     spec = SftSpec(examples=16, epochs=4, learning_rate=3e-3, batch_size=8, max_tokens=1024)

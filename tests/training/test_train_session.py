@@ -15,21 +15,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
+from tests.real_parts import engine_python, require_modules
 
-ENGINE_PYTHON = os.environ.get("KUBESTAR_ENGINE_PYTHON", sys.executable)
-
-
-def _has_vllm() -> bool:
-    probe = subprocess.run([ENGINE_PYTHON, "-c", "import vllm"], capture_output=True)
-    return probe.returncode == 0
-
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not _has_vllm(), reason=f"no vLLM importable by {ENGINE_PYTHON}"),
-]
+pytestmark = pytest.mark.slow
 
 MANIFEST = """
 apiVersion: kubestar.dev/v1alpha1
@@ -70,7 +58,8 @@ spec:
 def train_command(tmp_path: Path, steps: int) -> tuple[list[str], dict[str, str]]:
     manifest = tmp_path / "run.yaml"
     manifest.write_text(MANIFEST.replace("STEPS", str(steps)))
-    env = {**os.environ, "KUBESTAR_ENGINE_PYTHON": ENGINE_PYTHON}
+    require_modules("torch", "transformers")
+    env = {**os.environ, "KUBESTAR_ENGINE_PYTHON": engine_python()}
     command = [
         sys.executable,
         "-m",

