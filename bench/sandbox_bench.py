@@ -26,7 +26,6 @@ import os
 import platform
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -38,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from kubestar.common.net import free_port
 from kubestar.sandbox.client import SandboxClient
 from kubestar.v1 import sandbox_pb2 as pb
 
@@ -423,13 +423,6 @@ async def measure(
 
 
 # ----------------------------------------------------------------------------- the service
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class Service:

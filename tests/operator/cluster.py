@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -28,19 +27,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
+from kubestar.common.net import free_port
 
 from tests.operator.support import CHART, ROOT
 
 T = TypeVar("T")
 E2E = ROOT / "e2e" / "local"
 INSTALL_TIMEOUT = float(os.environ.get("KUBESTAR_K8S_INSTALL_TIMEOUT", "2400"))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def wait_for(

@@ -10,9 +10,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
+from kubestar.common.net import free_port
 from kubestar.operator.main import scheduler_probe
-
-from tests.operator.cluster import free_port
 
 METRICS = """# TYPE vllm:cache_config_info gauge
 vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="257"} 1.0

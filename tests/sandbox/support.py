@@ -7,19 +7,16 @@ import contextlib
 import itertools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kubestar.common.net import free_port, wait_serving
 from kubestar.sandbox.client import SandboxClient
 from kubestar.sandbox.executor import ExecutorConfig
 from kubestar.sandbox.limits import LimitPolicy
@@ -49,13 +46,6 @@ _uid_bases = itertools.count(62000 + (os.getpid() % 64) * 64, 8)
 
 def next_uid_base() -> int:
     return next(_uid_bases)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def executor_config(
@@ -161,27 +151,6 @@ def process_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def wait_serving(endpoint: str, timeout: float, process: subprocess.Popen[bytes] | None) -> None:
-    """Wait until the gRPC health check of `endpoint` says SERVING."""
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(endpoint) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            if process is not None and process.poll() is not None:
-                raise RuntimeError(f"server process exited with {process.returncode}")
-            try:
-                response = stub.Check(
-                    health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=1.0
-                )
-                if response.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{endpoint} did not become SERVING within {timeout}s")
-            time.sleep(0.1)
-
-
 def cli_command(*args: str) -> list[str]:
     """The `kubestar` command line, run with this interpreter."""
     return [sys.executable, "-m", "kubestar.cli.main", *args]
@@ -239,7 +208,14 @@ class ServerProcess:
 
     def wait_ready(self, timeout: float = 120.0) -> ServerProcess:
         try:
-            wait_serving(self.endpoint, timeout, self.process)
+            wait_serving(
+                self.endpoint,
+                self.process,
+                what="sandbox server",
+                timeout=timeout,
+                service=SERVICE_NAME,
+                interval=0.1,
+            )
         except Exception:
             self.stop()
             raise RuntimeError(f"server did not start; its log:\n{self.log()}") from None

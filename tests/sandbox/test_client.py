@@ -122,7 +122,7 @@ class TestBlockingClient:
         assert result_to_dict(client.execute(""))["status"] == "invalid"
 
     def test_unreachable_endpoint_raises(self) -> None:
-        from tests.sandbox.support import free_port
+        from kubestar.common.net import free_port
 
         with (
             SandboxClient(f"127.0.0.1:{free_port()}", timeout=2) as client,

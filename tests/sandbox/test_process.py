@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kubestar.common.net import free_port
 from kubestar.sandbox.client import Call, SandboxClient
 from kubestar.sandbox.server import SERVICE_NAME
 from kubestar.v1 import sandbox_pb2 as pb
@@ -23,7 +24,6 @@ from tests.sandbox.support import (
     ServerProcess,
     assert_still_serving,
     cli_command,
-    free_port,
     process_alive,
 )
 

@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 import pytest
+from kubestar.common.net import free_port
 from kubestar.sandbox.client import Call, SandboxClient
 from kubestar.sandbox.limits import MiB
 from kubestar.sandbox.server import ServerConfig
@@ -17,7 +18,6 @@ from tests.sandbox.support import (
     ThreadedServer,
     assert_still_serving,
     executor_config,
-    free_port,
 )
 
 OK = pb.EXECUTION_STATUS_OK

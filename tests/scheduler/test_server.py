@@ -14,12 +14,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kubestar.cli.scheduler import parse_engine
+from kubestar.common.net import free_port
 from kubestar.scheduler.client import SchedulerClient, sampling_params
 from kubestar.scheduler.server import SERVICE_NAME, SchedulerServer, ServerConfig
 from kubestar.v1 import rollout_pb2 as pb
 
 from tests.scheduler.conftest import fast_config, wait_for
-from tests.scheduler.engines import REPO, free_port
+from tests.scheduler.engines import REPO
 from tests.scheduler.fake_engine import FakeEngine
 
 PROMPT = list(range(1, 21))

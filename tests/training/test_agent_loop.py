@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import pytest
+from kubestar.common.net import free_port
 from kubestar.sandbox.client import Call
 from kubestar.sandbox.server import ServerConfig
 from kubestar.training.datasets import Problem
@@ -43,7 +44,7 @@ from kubestar.training.trajectory import (
 )
 from kubestar.v1 import sandbox_pb2 as pb
 
-from tests.sandbox.support import ThreadedServer, executor_config, free_port
+from tests.sandbox.support import ThreadedServer, executor_config
 from tests.training.rollout_support import (
     ROLLOUT_PRELOAD,
     chat_tokenizer,

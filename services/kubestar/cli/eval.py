@@ -14,11 +14,9 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -66,34 +64,6 @@ def _stop_process(process: subprocess.Popen[bytes], timeout: float = 20.0) -> No
             process.wait()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def wait_serving(
-    endpoint: str, process: subprocess.Popen[bytes], timeout: float, log: Path
-) -> None:
-    """Until the gRPC health check at `endpoint` says SERVING (or the process exits)."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(endpoint) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"the sandbox exited with {process.returncode}; see {log}")
-            with contextlib.suppress(grpc.RpcError):
-                answer = stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
-                if answer.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            time.sleep(0.3)
-    raise TimeoutError(f"the sandbox at {endpoint} is not serving after {timeout:g}s")
-
-
 def _tail(path: Path, chars: int = 3000) -> str:
     try:
         return path.read_text(errors="replace")[-chars:]
@@ -116,6 +86,7 @@ def local_services(
 ) -> Iterator[tuple[str | None, str]]:
     """An engine on `model_dir` (when given) and a sandbox (when `sandbox` is None), started
     here; yields (engine URL or None, sandbox endpoint) and stops what it started."""
+    from kubestar.common.net import free_port, wait_serving
     from kubestar.engine.launch import EngineProcess, EngineSettings
 
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -156,7 +127,13 @@ def local_services(
                 raise click.ClickException(f"{exc}\n{_tail(log_dir / 'engine.log')}") from exc
         if sandbox_process is not None:
             try:
-                wait_serving(sandbox, sandbox_process, 300, log_dir / "sandbox.log")
+                wait_serving(
+                    sandbox,
+                    sandbox_process,
+                    what="the sandbox",
+                    timeout=300,
+                    log=log_dir / "sandbox.log",
+                )
             except (RuntimeError, TimeoutError) as exc:
                 raise click.ClickException(f"{exc}\n{_tail(log_dir / 'sandbox.log')}") from exc
         yield (engine.url if engine is not None else None), sandbox

@@ -11,48 +11,15 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kubestar.api.v1alpha1 import RolloutFleet, SandboxPool
+from kubestar.common.net import free_port, wait_serving
 from kubestar.engine.launch import EngineProcess, EngineSettings, die_with_parent
 from kubestar.training.session import Endpoints
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def wait_serving(
-    endpoint: str,
-    process: subprocess.Popen[bytes],
-    what: str,
-    timeout: float = 180.0,
-    log: Path | None = None,
-) -> None:
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(endpoint) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(
-                    f"{what} exited with {process.returncode}" + (f"; see {log}" if log else "")
-                )
-            with contextlib.suppress(grpc.RpcError):
-                answer = stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
-                if answer.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            time.sleep(0.3)
-    raise TimeoutError(f"{what} at {endpoint} not serving after {timeout:g}s")
 
 
 class LocalStack:
@@ -122,7 +89,7 @@ class LocalStack:
             self.engines.append(engine.start(wait=False))
         for engine in self.engines:
             engine.wait_ready()
-        wait_serving(sandbox, sandbox_process, "sandbox", log=self.log_dir / "sandbox.log")
+        wait_serving(sandbox, sandbox_process, what="sandbox", log=self.log_dir / "sandbox.log")
         scheduler = f"127.0.0.1:{free_port()}"
         engine_args = [
             arg
@@ -145,7 +112,9 @@ class LocalStack:
                 *engine_args,
             ],
         )
-        wait_serving(scheduler, scheduler_process, "scheduler", log=self.log_dir / "scheduler.log")
+        wait_serving(
+            scheduler, scheduler_process, what="scheduler", log=self.log_dir / "scheduler.log"
+        )
         return Endpoints(scheduler=scheduler, sandbox=sandbox)
 
     def stop(self) -> None:
