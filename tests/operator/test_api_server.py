@@ -1,5 +1,6 @@
 """The CRDs and the chart against a real API server (Kubernetes 1.20): validation with the
-field named, defaults, printer columns, short names, scale; helm lint/template/install."""
+field named, defaults, printer columns, short names, scale, `kubectl explain`; helm
+lint/template/install."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import subprocess
 
 import pytest
 import yaml
+from kubestar.api import v1alpha1 as api
 
-from tests.operator.cluster import LocalCluster, kubestar
+from tests.operator.cluster import LocalCluster, kubestar, wait_for
 from tests.operator.support import CHART, EXAMPLES
 
 RUN = """
@@ -158,6 +160,26 @@ def test_scale_subresource(cluster: LocalCluster, namespace: str) -> None:
     cluster.kubectl("scale", "-n", namespace, "sandboxpool/scaled", "--replicas=3")
     scaled = cluster.api().get(kubestar(namespace, "sandboxpools", "scaled"))
     assert scaled is not None and scaled["spec"]["replicas"] == 3
+
+
+def test_kubectl_explain_shows_the_field_descriptions(cluster: LocalCluster) -> None:
+    """The descriptions of the pydantic fields reach `kubectl explain` (through the API
+    server's published OpenAPI, which follows a new CRD by a few seconds)."""
+    algorithm = api.TrainingRunSpec.model_fields["algorithm"].description
+    group_size = api.AlgorithmSpec.model_fields["group_size"].description
+    assert algorithm and group_size
+
+    def explained() -> str | None:
+        done = cluster.kubectl("explain", "trainingrun.spec.algorithm", check=False)
+        # kubectl wraps and indents the text: compare with whitespace collapsed.
+        text = " ".join(done.stdout.split())
+        return text if done.returncode == 0 and " ".join(algorithm.split()) in text else None
+
+    text = wait_for("kubectl explain trainingrun.spec.algorithm", explained, timeout=60)
+    assert " ".join(group_size.split()) in text
+    pool = cluster.kubectl("explain", "sandboxpool.spec.limits.timeoutSeconds").stdout
+    timeout = api.CallLimitsSpec.model_fields["timeout_seconds"].description
+    assert timeout and " ".join(timeout.split()) in " ".join(pool.split())
 
 
 def test_helm_lint_and_template(cluster: LocalCluster) -> None:

@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
 from typing import Any
 
-from kubestar.api.v1alpha1 import RolloutFleetSpec, SandboxPoolSpec, TrainingRunSpec
+from kubestar.api import conditions
+from kubestar.api.conditions import (
+    TERMINAL_PHASES,
+    TRAINER_PHASES,
+    ConditionType,
+    Phase,
+    Reason,
+    condition,
+)
+from kubestar.api.v1alpha1 import (
+    RolloutFleetSpec,
+    SandboxPoolSpec,
+    TrainingRunSpec,
+    TrainingRunStatus,
+)
 from kubestar.operator import conditions as cond
+from kubestar.operator import contract, rolloutfleet, sandboxpool
 from kubestar.operator import trainingrun as tr
 from kubestar.operator.rolloutfleet import fleet_status
 from kubestar.operator.sandboxpool import pool_status
 from kubestar.operator.settings import OperatorSettings
+from kubestar.training import progress
 
 from tests.operator.support import parent
 
@@ -86,10 +104,19 @@ def test_healthy_pods_have_no_problems() -> None:
 
 
 def test_transition_time_kept_when_status_unchanged() -> None:
-    first = cond.merge([], [cond.condition("Ready", False, "Progressing")], "t1")
-    same = cond.merge(first, [cond.condition("Ready", False, "ImagePullBackOff", "x")], "t2")
+    ready = ConditionType.READY
+    first = cond.merge([], [condition(ready, False, Reason.PROGRESSING)], "t1")
+    same = cond.merge(first, [condition(ready, False, Reason.IMAGE_PULL_BACK_OFF, "x")], "t2")
     assert same[0]["lastTransitionTime"] == "t1" and same[0]["reason"] == "ImagePullBackOff"
-    flipped = cond.merge(same, [cond.condition("Ready", True, "Ready")], "t3")
+    assert same[0] == {
+        "type": "Ready",
+        "status": "False",
+        "reason": "ImagePullBackOff",
+        "message": "x",
+        "lastTransitionTime": "t1",
+        "observedGeneration": 0,
+    }
+    flipped = cond.merge(same, [condition(ready, True, Reason.READY)], "t3")
     assert flipped[0]["lastTransitionTime"] == "t3"
     assert cond.transitions(same, flipped) == flipped
 
@@ -100,12 +127,12 @@ def test_pool_status_counts_capacity_and_surfaces_problems() -> None:
     workers = {"status": {"readyReplicas": 2}}
     dispatcher = {"status": {"readyReplicas": 1}}
     status, ready = pool_status(body, spec, workers, dispatcher, [], OperatorSettings())
-    assert status["capacity"] == 8 and ready["status"] == "True"
+    assert status["capacity"] == 8 and ready.status == "True"
     bad = pod("pool-sandbox-worker-1", containerStatuses=[waiting("ImagePullBackOff")])
     status, ready = pool_status(
         body, spec, {"status": {"readyReplicas": 1}}, dispatcher, [bad], OperatorSettings()
     )
-    assert ready["status"] == "False" and ready["reason"] == "ImagePullBackOff"
+    assert ready.status == "False" and ready.reason == "ImagePullBackOff"
     assert status["readyReplicas"] == 1 and status["capacity"] == 4
 
 
@@ -132,7 +159,7 @@ def test_fleet_status_reports_engines_and_kv_capacity() -> None:
         {"f-engine-0": (4096, 0.25), "f-engine-1": (8192, 0.0)},
         OperatorSettings(),
     )
-    assert ready["status"] == "True"
+    assert ready.status == "True"
     assert status["kvCapacityTokens"] == 12288
     assert status["engines"][0] == {
         "name": "f-engine-0",
@@ -160,13 +187,14 @@ SPEC = TrainingRunSpec.model_validate(
 
 def ready_obj(kind: str, name: str, ok: bool, reason: str = "Ready") -> dict[str, Any]:
     body = parent(kind, name)
-    body["status"] = {"conditions": [cond.condition("Ready", ok, reason, "why")]}
+    ready = condition(ConditionType.READY, ok, reason, "why")
+    body["status"] = {"conditions": [ready.model_dump(mode="json", by_alias=True)]}
     return body
 
 
 def test_dependencies() -> None:
     deps, exist = tr.dependencies(SPEC, "team", None, ready_obj("SandboxPool", "p", True), 1)
-    assert not exist and deps["reason"] == "RolloutFleetNotFound"
+    assert not exist and deps.reason == "RolloutFleetNotFound"
     deps, exist = tr.dependencies(
         SPEC,
         "team",
@@ -174,17 +202,19 @@ def test_dependencies() -> None:
         ready_obj("SandboxPool", "p", True),
         1,
     )
-    assert exist and deps["reason"] == "RolloutFleetNotReady"
-    assert "InsufficientGPU" in deps["message"]
+    assert exist and deps.reason == "RolloutFleetNotReady"
+    assert "InsufficientGPU" in deps.message
     deps, _ = tr.dependencies(
         SPEC, "team", ready_obj("RolloutFleet", "f", True), ready_obj("SandboxPool", "p", True), 1
     )
-    assert deps["status"] == "True"
+    assert deps.status == "True"
 
 
 def test_phase_decisions() -> None:
-    ok = cond.condition("DependenciesReady", True, "Ready")
-    waiting_deps = cond.condition("DependenciesReady", False, "RolloutFleetNotReady")
+    ok = condition(ConditionType.DEPENDENCIES_READY, True, Reason.READY)
+    waiting_deps = condition(
+        ConditionType.DEPENDENCIES_READY, False, Reason.ROLLOUT_FLEET_NOT_READY
+    )
     absent = tr.Outcome("absent")
     assert tr.decide("Pending", 1, None, waiting_deps, False, absent).phase == "Pending"
     decision = tr.decide("Pending", 1, None, waiting_deps, True, absent)
@@ -197,8 +227,8 @@ def test_phase_decisions() -> None:
     failed = tr.Outcome("failed", "OOMKilled", "trainer Job failed")
     decision = tr.decide("Training", 1, None, ok, True, failed)
     assert decision.phase == "Failed"
-    trainer = next(c for c in decision.conditions if c["type"] == "TrainerReady")
-    assert trainer["reason"] == "OOMKilled"
+    trainer = next(c for c in decision.conditions if c.type == "TrainerReady")
+    assert trainer.reason == "OOMKilled"
     # Terminal phases stick; nothing is started again.
     decision = tr.decide("Succeeded", 1, None, ok, True, absent)
     assert decision.phase == "Succeeded" and not decision.start
@@ -208,7 +238,7 @@ def test_phase_decisions() -> None:
     refused = ("SpecChangeRefused", "cannot change spec.algorithm.groupSize")
     decision = tr.decide("Training", 2, refused, ok, True, running)
     assert decision.phase == "Training"
-    assert decision.conditions[0]["reason"] == "SpecChangeRefused"
+    assert decision.conditions[0].reason == "SpecChangeRefused"
 
 
 def test_job_outcomes() -> None:
@@ -240,3 +270,79 @@ def test_spec_diff_paths() -> None:
     assert tr.diff_paths(old, new) == ["spec.algorithm.groupSize"]
     assert tr.step_summary({"step": 3, "totalSteps": 10}) == "3/10"
     assert tr.step_summary({}) == ""
+
+
+# --- One status vocabulary for the operator and the trainer --------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+API_DIR = ROOT / "operator" / "kubestar" / "api"
+OPERATOR_DIR = ROOT / "operator" / "kubestar" / "operator"
+TRAINING_DIR = ROOT / "training" / "kubestar" / "training"
+# Words Kubernetes uses too (a Pod's Ready condition, a Job's Failed, a kubelet's waiting
+# reasons): the operator compares Kubernetes' own fields with them, so literals are fine there.
+KUBERNETES_WORDS = {"Ready", "Failed", "Succeeded", "Running", "Pending", *cond.SEVERITY}
+
+
+def sources() -> list[Path]:
+    return sorted([*API_DIR.glob("*.py"), *OPERATOR_DIR.glob("*.py"), *TRAINING_DIR.glob("*.py")])
+
+
+def test_one_condition_helper_for_the_operator_and_the_trainer() -> None:
+    defined = [
+        path.relative_to(ROOT)
+        for path in sources()
+        if any(
+            isinstance(node, ast.FunctionDef) and node.name == "condition"
+            for node in ast.walk(ast.parse(path.read_text()))
+        )
+    ]
+    assert defined == [Path("operator/kubestar/api/conditions.py")]
+    # The trainer's progress reporting and the operator's reconcilers use that one.
+    for module in (progress, tr, sandboxpool, rolloutfleet):
+        assert vars(module)["condition"] is conditions.condition, module.__name__
+
+
+def test_no_status_words_spelled_out_in_the_operator_or_the_trainer() -> None:
+    """Phases, condition types and reasons are written with kubestar.api's constants."""
+    own = {str(word) for enum in (Phase, ConditionType, Reason) for word in enum}
+    own -= {str(word) for word in KUBERNETES_WORDS}
+    found = [
+        f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}"
+        for path in sources()
+        if path.name != "conditions.py" or path.parent != API_DIR
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and node.value in own
+    ]
+    assert found == []
+
+
+def test_phases_are_owned_by_the_operator_or_the_trainer() -> None:
+    operator_phases = {Phase.PENDING, Phase.PROVISIONING}
+    assert operator_phases | TRAINER_PHASES == set(Phase)
+    assert not operator_phases & TRAINER_PHASES
+    assert TERMINAL_PHASES <= TRAINER_PHASES
+    # The trainer's status patches carry its own phases only.
+    for phase in Phase:
+        patch = contract.trainer_patch(TrainingRunStatus(phase=phase))["status"]
+        assert ("phase" in patch) == (phase in TRAINER_PHASES), phase
+
+
+def test_the_trainer_reports_phases_as_the_operator_reads_conditions() -> None:
+    status = TrainingRunStatus()
+    progress.set_phase(status, Phase.TRAINING, Reason.TRAINING, "GRPO-RoC stages")
+    (progressing,) = status.conditions
+    assert (progressing.type, progressing.status) == ("Progressing", "True")
+    progress.set_phase(status, Phase.FAILED, Reason.TRAINER_ERROR, "RuntimeError: boom")
+    (progressing,) = status.conditions
+    assert (progressing.status, progressing.reason) == ("False", "TrainerError")
+    assert progressing.last_transition_time
+    assert contract.trainer_patch(status)["status"]["phase"] == "Failed"
+    merged = cond.merge([], status.conditions, "t1")
+    assert cond.find(merged, ConditionType.PROGRESSING) == {
+        "type": "Progressing",
+        "status": "False",
+        "reason": "TrainerError",
+        "message": "RuntimeError: boom",
+        "lastTransitionTime": "t1",
+        "observedGeneration": 0,
+    }

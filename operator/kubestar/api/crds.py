@@ -4,6 +4,8 @@ The types are the single source of truth; this module turns them into apiextensi
 structural OpenAPI v3 schemas that Kubernetes 1.20 accepts (no $ref, `nullable: true` instead
 of unions with null, defaults on every field that has one, no CEL rules) and adds what a CRD
 needs besides: printer columns, short names, categories and the status and scale subresources.
+Every property carries its field's `description` (what `kubectl explain` prints); an object
+without one gets its model's docstring, and so do the resources themselves.
 
     kubestar operator crds --out helm/kubestar/crds      # rewrite the chart's CRDs
     kubestar operator crds --check helm/kubestar/crds    # exit 1 if they are stale
@@ -16,6 +18,7 @@ anything a 1.20 schema cannot express is still reported (as a condition) before 
 
 from __future__ import annotations
 
+import enum
 import inspect
 import types
 import typing
@@ -96,6 +99,11 @@ def type_schema(tp: Any, *, with_defaults: bool = True) -> Schema:
         if kinds != {str}:
             raise TypeError(f"only string literals are supported, got {tp}")
         return {"type": "string", "enum": values}
+    if inspect.isclass(tp) and issubclass(tp, enum.Enum):
+        values = [member.value for member in tp]
+        if not all(isinstance(value, str) for value in values):
+            raise TypeError(f"only enums of strings are supported, got {tp}")
+        return {"type": "string", "enum": values}
     if origin is list:
         (item,) = get_args(tp)
         return {"type": "array", "items": type_schema(item, with_defaults=with_defaults)}
@@ -145,8 +153,13 @@ def _default(field: FieldInfo) -> tuple[bool, Any]:
 
 
 def _description(model: type[BaseModel]) -> str:
+    """The model's docstring as a description: paragraphs kept, lines within one joined
+    (`kubectl explain` wraps them itself)."""
     doc = model.__dict__.get("__doc__")
-    return inspect.cleandoc(doc) if doc else ""
+    if not doc:
+        return ""
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    return "\n\n".join(" ".join(paragraph.split()) for paragraph in paragraphs)
 
 
 def model_schema(model: type[BaseModel], *, with_defaults: bool = True) -> Schema:
@@ -156,8 +169,11 @@ def model_schema(model: type[BaseModel], *, with_defaults: bool = True) -> Schem
         key = field.alias or name
         schema = type_schema(field.annotation, with_defaults=with_defaults)
         _constraints(schema, list(field.metadata))
-        if field.description:
-            schema = {"description": field.description, **schema}
+        # The field says what it is for; its model's docstring only what the type is.
+        description = field.description or schema.pop("description", "")
+        schema.pop("description", None)
+        if description:
+            schema = {"description": description, **schema}
         if with_defaults and (model, name) not in OPERATOR_DEFAULTS:
             has_default, default = _default(field)
             if has_default:
@@ -275,12 +291,16 @@ def render_crd(kind: Kind) -> Schema:
     status["properties"]["conditions"].update(
         {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
     )
+    resource = api.KINDS[kind.kind]
+    fields = resource.model_fields
     root: Schema = {
         "type": "object",
-        "description": _description(kind.spec) or f"A kubestar {kind.kind}.",
+        "description": _description(resource),
         "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
+            "apiVersion": {"description": fields["api_version"].description, "type": "string"},
+            "kind": {"description": fields["kind"].description, "type": "string"},
+            # The API server refuses anything but a type here (metadata is its own schema);
+            # `kubectl explain` shows ObjectMeta's description.
             "metadata": {"type": "object"},
             "spec": spec,
             "status": status,

@@ -2,8 +2,10 @@
 
 One source of truth: the operator reconciles these, `kubestar train -f` runs them on one
 machine, and the CRD schemas in helm/kubestar/crds are generated from them
-(`kubestar.api.crds`). Field names are camelCase on the wire; unknown fields are errors, so a
-typo is reported with its path instead of being silently ignored.
+(`kubestar.api.crds`), descriptions included: each field's `description` is what
+`kubectl explain` prints, so it is written for the person who fills the field in. Field names
+are camelCase on the wire; unknown fields are errors, so a typo is reported with its path
+instead of being silently ignored.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from kubestar.api.conditions import Condition, Phase
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
@@ -29,111 +32,372 @@ Quantity = str | int
 
 
 class ResourceRequirements(Spec):
-    """As in a Pod: e.g. {"limits": {"amd.com/gpu": 8, "memory": "64Gi"}}."""
+    """Compute resources of a container, as in a Pod, e.g.
+    {"limits": {"amd.com/gpu": 8, "memory": "64Gi"}}."""
 
-    requests: dict[str, Quantity] = Field(default_factory=dict)
-    limits: dict[str, Quantity] = Field(default_factory=dict)
+    requests: dict[str, Quantity] = Field(
+        default_factory=dict,
+        description="The least of each resource the scheduler must find on a node, by "
+        'resource name, e.g. {"cpu": "4", "memory": "16Gi"}. Empty: nothing reserved.',
+    )
+    limits: dict[str, Quantity] = Field(
+        default_factory=dict,
+        description="The most of each resource the container may use, by resource name, e.g. "
+        '{"memory": "64Gi", "amd.com/gpu": 8}. Accelerators are requested here.',
+    )
 
 
 class ObjectReference(Spec):
-    name: str = Field(min_length=1, max_length=253)
+    """Another kubestar resource in the same namespace, by name."""
+
+    name: str = Field(
+        min_length=1, max_length=253, description="metadata.name of the referenced resource."
+    )
 
 
 # --- SandboxPool -------------------------------------------------------------------------
 
 
 class CallLimitsSpec(Spec):
-    """Defaults for each tool call; a call may ask for less."""
+    """What one tool call may use; a call may ask for less, never for more."""
 
-    timeout_seconds: float = Field(10.0, gt=0, le=300)
-    memory_mib: int = Field(512, ge=16, le=65536)
-    output_bytes: int = Field(65536, ge=1024, le=16 * 1024 * 1024)
+    timeout_seconds: float = Field(
+        10.0,
+        gt=0,
+        le=300,
+        description="Wall-clock seconds a call may run before it is killed and reported as a "
+        "timeout to the model.",
+    )
+    memory_mib: int = Field(
+        512,
+        ge=16,
+        le=65536,
+        description="Memory a call may allocate, in MiB; beyond it the call fails with a "
+        "MemoryError.",
+    )
+    output_bytes: int = Field(
+        65536,
+        ge=1024,
+        le=16 * 1024 * 1024,
+        description="Bytes a call may write to stdout, and to stderr; output beyond it is cut "
+        "and the call is reported as over its output limit.",
+    )
 
 
 class SandboxPoolSpec(Spec):
-    replicas: int = Field(1, ge=0, le=1000)
-    executors_per_pod: int = Field(4, ge=1, le=256)
-    limits: CallLimitsSpec = Field(default_factory=CallLimitsSpec)
-    preload: list[str] = Field(default_factory=lambda: ["numpy", "sympy"])
-    queue_timeout_seconds: float = Field(30.0, gt=0, le=3600)
-    image: str = ""  # empty: the chart's default sandbox image
-    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
-    # gVisor (runsc) or Kata in production clusters.
-    runtime_class_name: str | None = None
-    port: int = Field(50051, ge=1, le=65535)
+    """Desired state of a SandboxPool: how many sandbox workers run, how many Python
+    executors each keeps warm, and what one tool call may use."""
+
+    replicas: int = Field(
+        1,
+        ge=0,
+        le=1000,
+        description="Number of sandbox worker pods. 0 stops the pool (its Ready condition "
+        "says NoReplicas). `kubectl scale` changes it.",
+    )
+    executors_per_pod: int = Field(
+        4,
+        ge=1,
+        le=256,
+        description="Pre-started Python executors in each worker pod: the calls one pod runs "
+        "at the same time. Capacity is replicas x executorsPerPod.",
+    )
+    limits: CallLimitsSpec = Field(
+        default_factory=CallLimitsSpec,
+        description="Per-call limits: time, memory and output size.",
+    )
+    preload: list[str] = Field(
+        default_factory=lambda: ["numpy", "sympy"],
+        description="Python modules each executor imports before its first call, so that "
+        "calls using them start at once. Modules must be installed in the sandbox image.",
+    )
+    queue_timeout_seconds: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="Seconds a call may wait for a free executor when all are busy before it "
+        "fails with a queue timeout.",
+    )
+    image: str = Field(
+        "",
+        description="Container image of the sandbox workers and dispatcher. Empty: the "
+        "chart's kubestar image (images.kubestar in the Helm values).",
+    )
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements,
+        description="Compute resources of each worker pod's sandbox container. Empty: the "
+        "chart's defaults.",
+    )
+    runtime_class_name: str | None = Field(
+        None,
+        description="RuntimeClass of the worker pods, e.g. gvisor (runsc) or kata for "
+        "kernel-level isolation of untrusted code in production. Unset: the cluster's default "
+        "runtime.",
+    )
+    port: int = Field(
+        50051,
+        ge=1,
+        le=65535,
+        description="TCP port of the dispatcher's gRPC service (status.endpoint).",
+    )
 
 
 # --- RolloutFleet ------------------------------------------------------------------------
 
 
 class ModelSource(Spec):
-    """Where weights come from: an embedded name, a path in the image/node, or a PVC."""
+    """Where a model's weights come from: a name embedded in the image, a folder in the image
+    or on the node, or a PersistentVolumeClaim. The first that is set wins, in the order
+    pvcClaimName, path, name."""
 
-    name: str = "SmolLM2-135M-Instruct"
-    path: str | None = None
-    pvc_claim_name: str | None = None
-    pvc_sub_path: str = ""
+    name: str = Field(
+        "SmolLM2-135M-Instruct",
+        description="A model name the images carry (SmolLM2-135M-Instruct, or "
+        "tiny-random-llama for tests). Used when neither path nor pvcClaimName is set; models "
+        "are never downloaded.",
+    )
+    path: str | None = Field(
+        None,
+        description="A folder in the container holding a Hugging Face model (config.json, "
+        "tokenizer and safetensors weights).",
+    )
+    pvc_claim_name: str | None = Field(
+        None,
+        description="A PersistentVolumeClaim holding the model, mounted read-only; takes "
+        "precedence over path and name.",
+    )
+    pvc_sub_path: str = Field(
+        "",
+        description="The model's folder inside the PersistentVolumeClaim. Empty: its root.",
+    )
 
 
 class EngineSpec(Spec):
-    image: str = ""  # empty: the chart's default for the fleet's accelerator
-    tensor_parallel_size: int = Field(1, ge=1, le=64)
-    max_model_len: int = Field(4096, ge=128, le=1_048_576)
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    # Fixed KV cache size in bytes (0: vLLM decides).
-    kv_cache_bytes: int = Field(0, ge=0)
-    max_num_seqs: int = Field(64, ge=1, le=4096)
-    extra_args: list[str] = Field(default_factory=list)
-    port: int = Field(8000, ge=1, le=65535)
+    """The vLLM engine each replica of the fleet runs."""
+
+    image: str = Field(
+        "",
+        description="Container image of the engines. Empty: the chart's image for the "
+        "fleet's accelerator (images.engineRocm, engineCuda or engineCpu in the Helm values).",
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="GPUs one engine shards the model over (vLLM --tensor-parallel-size); "
+        "each engine pod requests this many GPUs unless resources.limits says otherwise.",
+    )
+    max_model_len: int = Field(
+        4096,
+        ge=128,
+        le=1_048_576,
+        description="The longest context in tokens, prompt and response together (vLLM "
+        "--max-model-len). Must hold the longest stage's maxResponseTokens plus the prompt.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="Fraction of each GPU's memory vLLM may use for weights, activations and "
+        "KV cache (vLLM --gpu-memory-utilization).",
+    )
+    kv_cache_bytes: int = Field(
+        0,
+        ge=0,
+        description="A fixed KV cache size in bytes per engine. 0: vLLM sizes it from "
+        "gpuMemoryUtilization.",
+    )
+    max_num_seqs: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description="The most sequences an engine decodes at once (vLLM --max-num-seqs).",
+    )
+    extra_args: list[str] = Field(
+        default_factory=list,
+        description="More vLLM command-line arguments, passed as given, e.g. "
+        '["--enable-prefix-caching"].',
+    )
+    port: int = Field(
+        8000,
+        ge=1,
+        le=65535,
+        description="TCP port of each engine's OpenAI-compatible HTTP server.",
+    )
 
 
 class SchedulerSpec(Spec):
-    policy: Literal["kv-aware", "least-requests", "round-robin"] = "kv-aware"
-    # How often engines' /metrics are read.
-    metrics_interval_seconds: float = Field(0.2, gt=0, le=60)
-    # kv-aware: the most new tokens one admission reserves KV room for; longer turns run in
-    # segments of this size on the same engine (0: reserve the whole turn at once).
-    segment_tokens: int = Field(256, ge=0, le=1_048_576)
-    port: int = Field(50061, ge=1, le=65535)
+    """The rollout scheduler in front of the engines: it places each request on an engine."""
+
+    policy: Literal["kv-aware", "least-requests", "round-robin"] = Field(
+        "kv-aware",
+        description="How requests are placed: kv-aware admits a request only where its KV "
+        "cache fits and keeps a trajectory's turns on the engine that holds its prefix; "
+        "least-requests picks the engine with the fewest requests in flight; round-robin "
+        "takes engines in turn.",
+    )
+    metrics_interval_seconds: float = Field(
+        0.2,
+        gt=0,
+        le=60,
+        description="How often the scheduler reads each engine's /metrics (KV usage, queue "
+        "lengths), in seconds.",
+    )
+    segment_tokens: int = Field(
+        256,
+        ge=0,
+        le=1_048_576,
+        description="kv-aware only: the most new tokens one admission reserves KV room for; "
+        "longer turns run in segments of this size on the same engine. 0: reserve room for "
+        "the whole turn at once.",
+    )
+    port: int = Field(
+        50061,
+        ge=1,
+        le=65535,
+        description="TCP port of the scheduler's gRPC service (status.schedulerEndpoint).",
+    )
 
 
 class RolloutFleetSpec(Spec):
-    model: ModelSource = Field(default_factory=ModelSource)
-    replicas: int = Field(1, ge=0, le=1024)
-    # amd: amd.com/gpu on ROCm nodes; nvidia: nvidia.com/gpu; cpu: vLLM's CPU build.
-    # Omitted on a cluster: the chart's accelerator.vendor (the CRD sets no default);
-    # omitted in a local run: cpu.
-    accelerator: Literal["amd", "nvidia", "cpu"] = "cpu"
-    engine: EngineSpec = Field(default_factory=EngineSpec)
-    scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
-    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    """Desired state of a RolloutFleet: vLLM engines serving the policy model, and the
+    scheduler that spreads rollout requests over them."""
+
+    model: ModelSource = Field(
+        default_factory=ModelSource,
+        description="The model the engines serve before the trainer pushes its first weights.",
+    )
+    replicas: int = Field(
+        1,
+        ge=0,
+        le=1024,
+        description="Number of engine pods. 0 stops the fleet. `kubectl scale` changes it.",
+    )
+    accelerator: Literal["amd", "nvidia", "cpu"] = Field(
+        "cpu",
+        description="What the engines run on: amd requests amd.com/gpu on ROCm nodes, nvidia "
+        "requests nvidia.com/gpu, cpu runs vLLM's CPU build. Unset on a cluster: the chart's "
+        "accelerator.vendor; unset in a local run: cpu.",
+    )
+    engine: EngineSpec = Field(
+        default_factory=EngineSpec,
+        description="The vLLM engine settings: image, parallelism, context length, memory.",
+    )
+    scheduler: SchedulerSpec = Field(
+        default_factory=SchedulerSpec,
+        description="The rollout scheduler's placement policy and its knobs.",
+    )
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements,
+        description="Compute resources of each engine pod. The accelerator's GPU resource is "
+        "added with engine.tensorParallelSize when limits do not name it.",
+    )
 
 
 # --- TrainingRun -------------------------------------------------------------------------
 
 
 class AlgorithmSpec(Spec):
-    name: Literal["grpo-roc", "grpo"] = "grpo-roc"
-    group_size: int = Field(16, ge=2, le=1024)
-    # Roll out group_size * oversample_factor per problem, keep group_size (RoC).
-    oversample_factor: float = Field(2.0, ge=1.0, le=16.0)
-    clip_low: float = Field(0.2, ge=0, le=1)
-    clip_high: float = Field(0.28, ge=0, le=10)
-    learning_rate: float = Field(1e-6, gt=0, le=1)
-    max_turns: int = Field(10, ge=1, le=1000)
-    positive_selection: Literal["inverse-penalty", "lowest-penalty"] = "inverse-penalty"
-    temperature: float = Field(1.0, ge=0, le=5)
-    top_p: float = Field(1.0, gt=0, le=1)
+    """The RL algorithm and its hyperparameters (GRPO-RoC, as in rStar2-Agent)."""
+
+    name: Literal["grpo-roc", "grpo"] = Field(
+        "grpo-roc",
+        description="grpo-roc: GRPO with Resample-on-Correct (roll out groupSize x "
+        "oversampleFactor trajectories per problem, keep groupSize: positives with the fewest "
+        "tool errors and format issues, negatives at random). grpo: plain GRPO, no "
+        "oversampling.",
+    )
+    group_size: int = Field(
+        16,
+        ge=2,
+        le=1024,
+        description="Trajectories per problem that enter the update (G); advantages are "
+        "rewards normalised within the group.",
+    )
+    oversample_factor: float = Field(
+        2.0,
+        ge=1.0,
+        le=16.0,
+        description="grpo-roc only: roll out groupSize x oversampleFactor trajectories per "
+        "problem, then resample down to groupSize.",
+    )
+    clip_low: float = Field(
+        0.2,
+        ge=0,
+        le=1,
+        description="Lower clip range of the policy ratio: the ratio is clipped at 1 - clipLow.",
+    )
+    clip_high: float = Field(
+        0.28,
+        ge=0,
+        le=10,
+        description="Upper clip range of the policy ratio (clip-higher): the ratio is clipped "
+        "at 1 + clipHigh, above clipLow so that unlikely good tokens can grow.",
+    )
+    learning_rate: float = Field(
+        1e-6,
+        gt=0,
+        le=1,
+        description="AdamW learning rate of the RL stages.",
+    )
+    max_turns: int = Field(
+        10,
+        ge=1,
+        le=1000,
+        description="The most assistant turns in one trajectory; each turn may make a tool "
+        "call whose output the next turn reads.",
+    )
+    positive_selection: Literal["inverse-penalty", "lowest-penalty"] = Field(
+        "inverse-penalty",
+        description="grpo-roc only: how correct trajectories are kept. inverse-penalty samples "
+        "them with weights that fall as tool errors and format issues rise; lowest-penalty "
+        "keeps those with the fewest.",
+    )
+    temperature: float = Field(
+        1.0,
+        ge=0,
+        le=5,
+        description="Sampling temperature of training rollouts (evaluation is greedy).",
+    )
+    top_p: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Nucleus sampling of training rollouts: sample from the smallest set of "
+        "tokens whose probability reaches topP. 1: no truncation.",
+    )
 
 
 class DatasetSpec(Spec):
-    """A reasoning-gym generator, or a local file in a published format."""
+    """A set of problems with reference answers: a reasoning-gym generator, or a file in a
+    published format. Exactly one of generator and path is set."""
 
-    generator: str | None = None
-    path: str | None = None
-    format: Literal["jsonl", "dapo", "aime"] = "jsonl"
-    size: int = Field(1000, ge=1)
-    seed: int = 0
+    generator: str | None = Field(
+        None,
+        description="A reasoning-gym generator that makes the problems, e.g. "
+        "basic_arithmetic, chain_sum, gcd.",
+    )
+    path: str | None = Field(
+        None,
+        description="A file of problems in the trainer's container (e.g. on "
+        "trainer.dataPvcClaimName, mounted at trainer.dataMountPath).",
+    )
+    format: Literal["jsonl", "dapo", "aime"] = Field(
+        "jsonl",
+        description="The file's layout: jsonl (one JSON object per line, with a question and "
+        "an answer field), dapo (DAPO-Math-17k) or aime (AIME problem sets). Ignored for a "
+        "generator.",
+    )
+    size: int = Field(
+        1000,
+        ge=1,
+        description="The number of problems: how many the generator makes, or the first that "
+        "many of the file.",
+    )
+    seed: int = Field(
+        0,
+        description="Seed of the generator: the same seed makes the same problems.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> DatasetSpec:
@@ -143,73 +407,196 @@ class DatasetSpec(Spec):
 
 
 class SftSpec(Spec):
-    """Non-reasoning SFT: instruction following and the tool-call format, before RL."""
+    """Non-reasoning SFT before RL: teaches instruction following and the tool-call format
+    on small examples made with the real sandbox, not reasoning."""
 
-    enabled: bool = True
-    examples: int = Field(256, ge=1)
-    epochs: int = Field(1, ge=1, le=100)
-    learning_rate: float = Field(1e-5, gt=0, le=1)
-    batch_size: int = Field(8, ge=1)
-    max_tokens: int = Field(1024, ge=64)
+    enabled: bool = Field(True, description="Whether the SFT stage runs.")
+    examples: int = Field(256, ge=1, description="Number of examples made and trained on.")
+    epochs: int = Field(1, ge=1, le=100, description="Passes over the examples.")
+    learning_rate: float = Field(
+        1e-5,
+        gt=0,
+        le=1,
+        description="AdamW learning rate of the SFT stage (RL's optimizer is restored after).",
+    )
+    batch_size: int = Field(8, ge=1, description="Examples per optimizer step.")
+    max_tokens: int = Field(
+        1024,
+        ge=64,
+        description="The longest example in tokens, prompt included; longer ones are dropped "
+        "(under about 400 with SmolLM2's tokenizer, none is left).",
+    )
 
 
 class StageFilterSpec(Spec):
-    # Keep only problems the previous stage's policy did not solve in all of k samples.
-    drop_solved_k_of_k: int | None = Field(None, ge=1, le=256)
+    """Which problems of its dataset a stage keeps, judged by the policy at the stage's
+    start."""
+
+    drop_solved_k_of_k: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="Sample each problem k times with the current policy and drop those it "
+        "solved every time. Unset: keep every problem.",
+    )
 
 
 class StageSpec(Spec):
-    name: str = Field(min_length=1, max_length=63)
-    max_response_tokens: int = Field(ge=16, le=1_048_576)
-    steps: int = Field(ge=1)
-    problems_per_step: int = Field(32, ge=1)
-    dataset: DatasetSpec
-    filter: StageFilterSpec | None = None
-    reset_optimizer: bool = False
+    """One RL stage: a dataset, a response length budget and a number of steps. Stages run in
+    order, each from the policy the previous one left."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=63,
+        description="The stage's name, unique in the run; shown in status.stage.",
+    )
+    max_response_tokens: int = Field(
+        ge=16,
+        le=1_048_576,
+        description="The most tokens one trajectory may generate, over all its turns; one "
+        "that reaches it is cut off and, with no final answer, scores 0.",
+    )
+    steps: int = Field(ge=1, description="Training steps (policy updates) in this stage.")
+    problems_per_step: int = Field(
+        32,
+        ge=1,
+        description="Problems per step; each is rolled out groupSize x oversampleFactor times.",
+    )
+    dataset: DatasetSpec = Field(description="Where the stage's problems come from.")
+    filter: StageFilterSpec | None = Field(
+        None,
+        description="Drops problems the policy already solves before the stage starts. Unset: "
+        "every problem is kept.",
+    )
+    reset_optimizer: bool = Field(
+        False,
+        description="Start this stage with fresh optimizer state (AdamW moments).",
+    )
 
 
 class TrainerSpec(Spec):
-    # More than 1: a Ray cluster (KubeRay RayJob) instead of one pod with local Ray.
-    workers: int = Field(1, ge=1, le=1024)
-    image: str = ""
-    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
-    ray_address: str = ""
-    micro_batch_size: int = Field(4, ge=1)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    # Datasets on a cluster: a PVC mounted read-only at dataMountPath in the trainer pods.
-    data_pvc_claim_name: str | None = None
-    data_mount_path: str = "/data"
+    """The trainer workload: its pods, image and resources."""
+
+    workers: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Trainer pods. 1: a Job with one pod and a local Ray instance. More: a "
+        "KubeRay RayJob (the KubeRay operator must be installed).",
+    )
+    image: str = Field(
+        "",
+        description="Container image of the trainer. Empty: the chart's kubestar image "
+        "(images.kubestar in the Helm values).",
+    )
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements,
+        description="Compute resources of each trainer pod, accelerators included.",
+    )
+    ray_address: str = Field(
+        "",
+        description="Address of an existing Ray cluster to join (ray.init(address)). Empty: "
+        "a local Ray instance, or the RayJob's cluster when workers > 1.",
+    )
+    micro_batch_size: int = Field(
+        4,
+        ge=1,
+        description="Trajectories per forward/backward pass; gradients are accumulated over "
+        "micro-batches, so it trades memory for speed without changing the update.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="Where the trainer computes: cuda (NVIDIA or ROCm GPUs), cpu, or auto (a "
+        "GPU when one is visible).",
+    )
+    data_pvc_claim_name: str | None = Field(
+        None,
+        description="A PersistentVolumeClaim holding dataset files, mounted read-only at "
+        "dataMountPath in the trainer pods.",
+    )
+    data_mount_path: str = Field(
+        "/data",
+        description="Where dataPvcClaimName is mounted in the trainer pods.",
+    )
 
 
 class CheckpointSpec(Spec):
-    every_steps: int = Field(1, ge=1)
-    keep: int = Field(3, ge=1)
-    # Where checkpoints go: a path (local runs: under the run directory) or a PVC.
-    path: str = ""
-    pvc_claim_name: str | None = None
+    """How often the trainer saves checkpoints, how many it keeps and where. A restarted
+    trainer resumes from the newest."""
+
+    every_steps: int = Field(1, ge=1, description="Save a checkpoint every this many steps.")
+    keep: int = Field(3, ge=1, description="Newest checkpoints kept; older ones are deleted.")
+    path: str = Field(
+        "",
+        description="Folder of the checkpoints. Empty: under the run's folder in a local run; "
+        "on a cluster, the chart's shared checkpoint volume (trainer.checkpointDir).",
+    )
+    pvc_claim_name: str | None = Field(
+        None,
+        description="A PersistentVolumeClaim the checkpoints go to (mounted in the trainer "
+        "and the engines); takes precedence over path.",
+    )
 
 
 EvaluationPoint = Literal["start", "sft", "end"]
 
 
 class EvaluationSpec(Spec):
-    dataset: DatasetSpec | None = None
-    samples: int = Field(1, ge=1)
-    # When to evaluate: "start" is the policy before any training (verl's val_before_train),
-    # "sft" right after the SFT stage, "end" after the last RL step.
-    at: list[EvaluationPoint] = Field(default_factory=lambda: list[EvaluationPoint](["end"]))
+    """Evaluation of the policy on held-out problems, with greedy decoding."""
+
+    dataset: DatasetSpec | None = Field(
+        None, description="The held-out problems. Unset: no evaluation."
+    )
+    samples: int = Field(1, ge=1, description="Trajectories per problem.")
+    at: list[EvaluationPoint] = Field(
+        default_factory=lambda: list[EvaluationPoint](["end"]),
+        description="When to evaluate: start (the policy before any training, as verl's "
+        "val_before_train), sft (right after the SFT stage), end (after the last RL step).",
+    )
 
 
 class TrainingRunSpec(Spec):
-    rollout_fleet_ref: ObjectReference
-    sandbox_pool_ref: ObjectReference
-    model: ModelSource = Field(default_factory=ModelSource)
-    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
-    sft: SftSpec | None = None
-    stages: list[StageSpec] = Field(min_length=1)
-    trainer: TrainerSpec = Field(default_factory=TrainerSpec)
-    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
-    evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
+    """Desired state of a TrainingRun: the model, the algorithm and the stages to train it
+    with, on a RolloutFleet and a SandboxPool in the same namespace."""
+
+    rollout_fleet_ref: ObjectReference = Field(
+        description="The RolloutFleet that generates rollouts and receives the new weights "
+        "after each step."
+    )
+    sandbox_pool_ref: ObjectReference = Field(
+        description="The SandboxPool that runs the policy's tool calls (Python code)."
+    )
+    model: ModelSource = Field(
+        default_factory=ModelSource,
+        description="The model to train; it should be the one the RolloutFleet serves.",
+    )
+    algorithm: AlgorithmSpec = Field(
+        default_factory=AlgorithmSpec,
+        description="The RL algorithm (GRPO-RoC by default) and its hyperparameters: group "
+        "size, oversampling, clip range, learning rate, turns, sampling.",
+    )
+    sft: SftSpec | None = Field(
+        None,
+        description="A non-reasoning SFT stage before RL. Unset: RL starts from the model as "
+        "it is.",
+    )
+    stages: list[StageSpec] = Field(
+        min_length=1,
+        description="The RL stages, run in order (e.g. a growing maxResponseTokens, as in "
+        "rStar2-Agent).",
+    )
+    trainer: TrainerSpec = Field(
+        default_factory=TrainerSpec,
+        description="The trainer workload: pods, image, resources, device.",
+    )
+    checkpoint: CheckpointSpec = Field(
+        default_factory=CheckpointSpec,
+        description="Checkpoint frequency, retention and storage.",
+    )
+    evaluation: EvaluationSpec = Field(
+        default_factory=EvaluationSpec,
+        description="Held-out evaluation: dataset, samples, and when it runs.",
+    )
 
     @model_validator(mode="after")
     def _unique_stage_names(self) -> TrainingRunSpec:
@@ -222,110 +609,199 @@ class TrainingRunSpec(Spec):
 # --- Status ------------------------------------------------------------------------------
 
 
-class Condition(Spec):
-    """As metav1.Condition: a type, a status, and a reason and message that say why."""
+def _observed_generation() -> Any:
+    return Field(
+        0,
+        description="The metadata.generation the operator last acted on; smaller than "
+        "metadata.generation while a spec change is being reconciled.",
+    )
 
-    type: str
-    status: Literal["True", "False", "Unknown"]
-    reason: str
-    message: str = ""
-    last_transition_time: str = ""
-    observed_generation: int = 0
+
+def _conditions() -> Any:
+    return Field(
+        default_factory=list,
+        description="The latest observations of the resource's state; each says why in its "
+        "reason and message (e.g. a pod in ImagePullBackOff or CrashLoopBackOff).",
+    )
 
 
 class TrainingMetrics(Spec):
-    reward: float | None = None
-    accuracy: float | None = None
-    tool_calls_per_trajectory: float | None = None
-    tool_error_rate: float | None = None
-    positive_tool_error_rate: float | None = None
-    mean_response_tokens: float | None = None
-    tokens_per_second: float | None = None
-    step_seconds: float | None = None
+    """Metrics of the latest training step; unset until the first step reports them."""
 
-
-Phase = Literal["Pending", "Provisioning", "Evaluating", "SFT", "Training", "Succeeded", "Failed"]
+    reward: float | None = Field(None, description="Mean reward of the step's rollouts.")
+    accuracy: float | None = Field(
+        None, description="Fraction of the step's rollouts whose final answer is correct."
+    )
+    tool_calls_per_trajectory: float | None = Field(
+        None, description="Mean number of tool calls in one rollout."
+    )
+    tool_error_rate: float | None = Field(
+        None, description="Fraction of the step's tool calls that ended in an error."
+    )
+    positive_tool_error_rate: float | None = Field(
+        None,
+        description="Tool error rate of the correct trajectories kept for the update: what "
+        "Resample-on-Correct drives down.",
+    )
+    mean_response_tokens: float | None = Field(
+        None, description="Mean tokens the policy generated per rollout."
+    )
+    tokens_per_second: float | None = Field(
+        None, description="Rollout throughput: response tokens per second over the step."
+    )
+    step_seconds: float | None = Field(
+        None, description="Wall-clock seconds of the step: rollouts, rewards, update, weights."
+    )
 
 
 class TrainingRunStatus(Spec):
-    phase: Phase = "Pending"
-    stage: str = ""
-    step: int = 0
-    total_steps: int = 0
-    progress: float = 0.0
-    metrics: TrainingMetrics = Field(default_factory=TrainingMetrics)
-    last_checkpoint: str = ""
-    estimated_seconds_left: float | None = None
-    observed_generation: int = 0
-    conditions: list[Condition] = Field(default_factory=list)
-    # Written by the operator: "step/totalSteps" for `kubectl get`, and the trainer's workload.
-    step_summary: str = ""
-    trainer: str = ""
+    """Observed state of a TrainingRun. The trainer writes stage, step, progress, metrics,
+    the checkpoint and the phases from Evaluating on; the operator writes the rest."""
+
+    phase: Phase = Field(
+        Phase.PENDING,
+        description="Where the run is: Pending (waiting for its spec, fleet or pool), "
+        "Provisioning (starting the trainer), Evaluating, SFT, Training, then Succeeded or "
+        "Failed.",
+    )
+    stage: str = Field("", description="Name of the RL stage being trained (spec.stages).")
+    step: int = Field(0, description="RL steps done, over all stages.")
+    total_steps: int = Field(0, description="RL steps of the whole run: the stages' steps added.")
+    progress: float = Field(0.0, description="step / totalSteps, from 0 to 1.")
+    metrics: TrainingMetrics = Field(
+        default_factory=TrainingMetrics, description="Metrics of the latest step."
+    )
+    last_checkpoint: str = Field(
+        "", description="Folder of the newest checkpoint; a restarted trainer resumes from it."
+    )
+    estimated_seconds_left: float | None = Field(
+        None,
+        description="Estimated seconds until the last step is done, from the recent steps' "
+        "durations.",
+    )
+    observed_generation: int = _observed_generation()
+    conditions: list[Condition] = _conditions()
+    step_summary: str = Field(
+        "", description='"step/totalSteps", as the Step column of `kubectl get` shows it.'
+    )
+    trainer: str = Field(
+        "", description="The trainer workload, as Kind/name (a Job, or a KubeRay RayJob)."
+    )
 
 
 class SandboxPoolStatus(Spec):
-    observed_generation: int = 0
-    replicas: int = 0
-    ready_replicas: int = 0
-    # Concurrent executions: ready worker pods x executors per pod.
-    capacity: int = 0
-    # The dispatcher's gRPC address (HOST:PORT).
-    endpoint: str = ""
-    conditions: list[Condition] = Field(default_factory=list)
+    """Observed state of a SandboxPool."""
+
+    observed_generation: int = _observed_generation()
+    replicas: int = Field(0, description="Worker pods wanted (spec.replicas).")
+    ready_replicas: int = Field(0, description="Worker pods ready to run calls.")
+    capacity: int = Field(
+        0,
+        description="Calls the pool can run at the same time: ready workers x "
+        "executorsPerPod (0 while the dispatcher is not ready).",
+    )
+    endpoint: str = Field(
+        "",
+        description="HOST:PORT of the dispatcher's gRPC service, where tool calls are sent.",
+    )
+    conditions: list[Condition] = _conditions()
 
 
 class EngineStatus(Spec):
-    name: str
-    ready: bool = False
-    # KV capacity in tokens (vLLM's blocks x block size), as the scheduler reports it.
-    kv_capacity_tokens: int | None = None
-    kv_usage: float | None = None
+    """One engine of the fleet."""
+
+    name: str = Field(description="The engine's pod.")
+    ready: bool = Field(False, description="Whether the engine pod is ready to serve.")
+    kv_capacity_tokens: int | None = Field(
+        None,
+        description="The engine's KV cache capacity in tokens (vLLM's blocks x block size), "
+        "as the scheduler reports it.",
+    )
+    kv_usage: float | None = Field(
+        None, description="Fraction of the engine's KV cache in use, from 0 to 1."
+    )
 
 
 class RolloutFleetStatus(Spec):
-    observed_generation: int = 0
-    # The accelerator in use (spec.accelerator, or the cluster's default).
-    accelerator: str = ""
-    replicas: int = 0
-    ready_replicas: int = 0
-    # The scheduler's gRPC address (HOST:PORT).
-    scheduler_endpoint: str = ""
-    engines: list[EngineStatus] = Field(default_factory=list)
-    kv_capacity_tokens: int | None = None
-    conditions: list[Condition] = Field(default_factory=list)
+    """Observed state of a RolloutFleet."""
+
+    observed_generation: int = _observed_generation()
+    accelerator: str = Field(
+        "", description="The accelerator in use: spec.accelerator, or the cluster's default."
+    )
+    replicas: int = Field(0, description="Engine pods wanted (spec.replicas).")
+    ready_replicas: int = Field(0, description="Engine pods ready to serve.")
+    scheduler_endpoint: str = Field(
+        "",
+        description="HOST:PORT of the scheduler's gRPC service, where rollouts are requested.",
+    )
+    engines: list[EngineStatus] = Field(
+        default_factory=list, description="Each engine's readiness and KV cache."
+    )
+    kv_capacity_tokens: int | None = Field(
+        None, description="KV cache capacity of all engines together, in tokens."
+    )
+    conditions: list[Condition] = _conditions()
 
 
 # --- Resources and manifests -------------------------------------------------------------
 
 
 class Metadata(BaseModel):
+    """The object's name and namespace; other metadata (labels, annotations) is kept."""
+
     model_config = ConfigDict(extra="allow")
-    name: str = Field(min_length=1, max_length=253)
-    namespace: str = "default"
+    name: str = Field(min_length=1, max_length=253, description="The resource's name.")
+    namespace: str = Field("default", description="The namespace the resource lives in.")
 
 
 class Resource(BaseModel):
     model_config = ConfigDict(populate_by_name=True, extra="forbid")
     api_version: Literal["kubestar.dev/v1alpha1"] = Field(
-        "kubestar.dev/v1alpha1", alias="apiVersion"
+        "kubestar.dev/v1alpha1",
+        alias="apiVersion",
+        description="The API group and version of this object's schema: kubestar.dev/v1alpha1.",
     )
-    metadata: Metadata
-    status: dict[str, Any] | None = None
+    metadata: Metadata = Field(description="Standard object metadata: name, namespace, labels.")
+    status: dict[str, Any] | None = Field(
+        None, description="Observed state, written by the operator and the trainer."
+    )
 
 
 class SandboxPool(Resource):
-    kind: Literal["SandboxPool"] = "SandboxPool"
-    spec: SandboxPoolSpec = Field(default_factory=SandboxPoolSpec)
+    """A pool of pre-warmed Python sandboxes that run the policy's tool calls: worker pods,
+    each with executors ready to run code under per-call limits, behind a gRPC dispatcher."""
+
+    kind: Literal["SandboxPool"] = Field(
+        "SandboxPool", description="The kind of this object: SandboxPool."
+    )
+    spec: SandboxPoolSpec = Field(
+        default_factory=SandboxPoolSpec, description="Desired state of the pool."
+    )
 
 
 class RolloutFleet(Resource):
-    kind: Literal["RolloutFleet"] = "RolloutFleet"
-    spec: RolloutFleetSpec = Field(default_factory=RolloutFleetSpec)
+    """A fleet of vLLM engines serving the policy model, behind a KV-aware scheduler that
+    places rollout requests and keeps each trajectory's turns on the engine holding its
+    prefix."""
+
+    kind: Literal["RolloutFleet"] = Field(
+        "RolloutFleet", description="The kind of this object: RolloutFleet."
+    )
+    spec: RolloutFleetSpec = Field(
+        default_factory=RolloutFleetSpec, description="Desired state of the fleet."
+    )
 
 
 class TrainingRun(Resource):
-    kind: Literal["TrainingRun"] = "TrainingRun"
-    spec: TrainingRunSpec
+    """An agentic RL training run: an optional SFT stage, then RL stages (GRPO-RoC) with
+    rollouts on a RolloutFleet and tool calls on a SandboxPool, reporting progress and
+    metrics in its status."""
+
+    kind: Literal["TrainingRun"] = Field(
+        "TrainingRun", description="The kind of this object: TrainingRun."
+    )
+    spec: TrainingRunSpec = Field(description="Desired state of the run.")
 
 
 KINDS: dict[str, type[Resource]] = {
@@ -346,22 +822,38 @@ def parse_resource(document: dict[str, Any], where: str = "") -> Resource:
     try:
         return KINDS[kind].model_validate(document)
     except ValidationError as error:
-        problems = "; ".join(
-            f"{'.'.join(str(part) for part in item['loc'])}: {item['msg']}"
-            for item in error.errors()
-        )
+        problems = "; ".join(_field_problem(item) for item in error.errors())
         name = (document.get("metadata") or {}).get("name", "?")
         raise ManifestError(f"{where}{kind} {name!r}: {problems}") from error
 
 
+def _field_problem(item: Any) -> str:
+    """One validation error as `field.path: what is wrong` (fields in the manifest's names)."""
+    field = ".".join(str(part) for part in item["loc"])
+    if item["type"] == "extra_forbidden":
+        return f"{field}: unknown field"
+    if item["type"] == "missing":
+        return f"{field}: required field missing"
+    return f"{field}: {item['msg']}"
+
+
 def load_manifests(path: str | Path) -> list[Resource]:
-    """Every kubestar resource in a (multi-document) YAML file, validated."""
+    """Every kubestar resource in a (multi-document) YAML file, validated. Errors name the
+    file, the document (counted from 1), the kind and the field."""
     text = Path(path).read_text()
     resources: list[Resource] = []
-    for index, document in enumerate(yaml.safe_load_all(text)):
+    try:
+        documents = list(yaml.safe_load_all(text))
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ManifestError(f"{path}: not valid YAML{at}: {error.problem}") from error
+    except yaml.YAMLError as error:
+        raise ManifestError(f"{path}: not valid YAML: {error}") from error
+    for number, document in enumerate(documents, start=1):
         if document is None:
             continue
         if not isinstance(document, dict):
-            raise ManifestError(f"{path} document {index}: not a mapping")
-        resources.append(parse_resource(document, f"{path} document {index}: "))
+            raise ManifestError(f"{path} document {number}: not a mapping")
+        resources.append(parse_resource(document, f"{path} document {number}: "))
     return resources

@@ -1,56 +1,55 @@
 """Conditions that tell the truth (pure): what is wrong with a resource's pods, and the
-condition list with transition times kept when nothing changed."""
+condition list with transition times kept when nothing changed. Conditions themselves are
+built with kubestar.api.conditions.condition, as the trainer builds its own."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
+from kubestar.api.conditions import Condition, ConditionStatus, Reason, now
+
 # Container waiting reasons that mean "this will not start by itself".
-STUCK_WAITING = {
-    "ImagePullBackOff",
-    "ErrImagePull",
-    "ErrImageNeverPull",
-    "InvalidImageName",
-    "CrashLoopBackOff",
-    "CreateContainerConfigError",
-    "CreateContainerError",
-    "RunContainerError",
+IMAGE_REASONS = {
+    Reason.IMAGE_PULL_BACK_OFF,
+    Reason.ERR_IMAGE_PULL,
+    Reason.ERR_IMAGE_NEVER_PULL,
+    Reason.INVALID_IMAGE_NAME,
 }
-IMAGE_REASONS = {"ImagePullBackOff", "ErrImagePull", "ErrImageNeverPull", "InvalidImageName"}
+STUCK_WAITING = {
+    *IMAGE_REASONS,
+    Reason.CRASH_LOOP_BACK_OFF,
+    Reason.CREATE_CONTAINER_CONFIG_ERROR,
+    Reason.CREATE_CONTAINER_ERROR,
+    Reason.RUN_CONTAINER_ERROR,
+}
 # Worst first: the reason a condition shows when several pods have problems.
 SEVERITY = [
-    "OOMKilled",
-    "CrashLoopBackOff",
-    "ImagePullBackOff",
-    "ErrImagePull",
-    "ErrImageNeverPull",
-    "InvalidImageName",
-    "CreateContainerConfigError",
-    "CreateContainerError",
-    "RunContainerError",
-    "InsufficientGPU",
-    "Unschedulable",
-    "Error",
+    Reason.OOM_KILLED,
+    Reason.CRASH_LOOP_BACK_OFF,
+    Reason.IMAGE_PULL_BACK_OFF,
+    Reason.ERR_IMAGE_PULL,
+    Reason.ERR_IMAGE_NEVER_PULL,
+    Reason.INVALID_IMAGE_NAME,
+    Reason.CREATE_CONTAINER_CONFIG_ERROR,
+    Reason.CREATE_CONTAINER_ERROR,
+    Reason.RUN_CONTAINER_ERROR,
+    Reason.INSUFFICIENT_GPU,
+    Reason.UNSCHEDULABLE,
+    Reason.CONTAINER_ERROR,
 ]
 GPU_RESOURCES = ("amd.com/gpu", "nvidia.com/gpu")
 # A condition turning False for these reasons is progress, not trouble (Normal events).
 QUIET_REASONS = {
-    "Progressing",
-    "Creating",
-    "WaitingForDependencies",
-    "Starting",
-    "Pending",
-    "Succeeded",
-    "Finished",
+    Reason.PROGRESSING,
+    Reason.CREATING,
+    Reason.WAITING_FOR_DEPENDENCIES,
+    Reason.STARTING,
+    Reason.SUCCEEDED,
+    Reason.FINISHED,
 }
-
-
-def now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass(frozen=True)
@@ -85,18 +84,19 @@ def diagnose_pod(pod: Mapping[str, Any]) -> list[Problem]:
         waiting = state.get("waiting") or {}
         terminated = state.get("terminated") or {}
         last_terminated = last.get("terminated") or {}
-        if terminated.get("reason") == "OOMKilled" or last_terminated.get("reason") == "OOMKilled":
+        oom = Reason.OOM_KILLED
+        if terminated.get("reason") == oom or last_terminated.get("reason") == oom:
             problems.append(
                 Problem(
                     name,
-                    "OOMKilled",
+                    oom,
                     f"container {cname} was killed for using more memory than its limit "
                     f"(restarts: {item.get('restartCount', 0)})",
                 )
             )
         elif waiting.get("reason") in STUCK_WAITING:
             message = waiting.get("message") or ""
-            if waiting["reason"] == "CrashLoopBackOff" and last_terminated:
+            if waiting["reason"] == Reason.CRASH_LOOP_BACK_OFF and last_terminated:
                 message = (
                     f"last exit code {last_terminated.get('exitCode')}"
                     f" ({last_terminated.get('reason', 'Error')}); {message}"
@@ -111,7 +111,7 @@ def diagnose_pod(pod: Mapping[str, Any]) -> list[Problem]:
             problems.append(
                 Problem(
                     name,
-                    "Error",
+                    Reason.CONTAINER_ERROR,
                     _short(
                         f"container {cname} exited with code {terminated.get('exitCode')}: "
                         f"{terminated.get('reason', '')} {terminated.get('message', '')}"
@@ -122,7 +122,7 @@ def diagnose_pod(pod: Mapping[str, Any]) -> list[Problem]:
         if (
             cond.get("type") == "PodScheduled"
             and cond.get("status") == "False"
-            and cond.get("reason") == "Unschedulable"
+            and cond.get("reason") == Reason.UNSCHEDULABLE
         ):
             message = cond.get("message") or ""
             gpus = [g for g in GPU_RESOURCES if re.search(rf"Insufficient {re.escape(g)}", message)]
@@ -130,18 +130,18 @@ def diagnose_pod(pod: Mapping[str, Any]) -> list[Problem]:
                 problems.append(
                     Problem(
                         name,
-                        "InsufficientGPU",
+                        Reason.INSUFFICIENT_GPU,
                         _short(f"no node has a free {', '.join(gpus)}: {message}"),
                     )
                 )
             else:
-                problems.append(Problem(name, "Unschedulable", _short(message)))
+                problems.append(Problem(name, Reason.UNSCHEDULABLE, _short(message)))
     return problems
 
 
 def diagnose(pods: Iterable[Mapping[str, Any]]) -> list[Problem]:
     problems = [p for pod in pods for p in diagnose_pod(pod)]
-    rank = {reason: i for i, reason in enumerate(SEVERITY)}
+    rank: dict[str, int] = {reason: i for i, reason in enumerate(SEVERITY)}
     return sorted(problems, key=lambda p: (rank.get(p.reason, len(rank)), p.pod))
 
 
@@ -163,31 +163,18 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
     )
 
 
-def condition(
-    type_: str, status: bool | str, reason: str, message: str = "", generation: int = 0
-) -> dict[str, Any]:
-    if isinstance(status, bool):
-        status = "True" if status else "False"
-    return {
-        "type": type_,
-        "status": status,
-        "reason": reason,
-        "message": message,
-        "observedGeneration": generation,
-    }
-
-
 def merge(
     current: Sequence[Mapping[str, Any]] | None,
-    updates: Iterable[Mapping[str, Any]],
+    updates: Iterable[Condition],
     timestamp: str | None = None,
 ) -> list[dict[str, Any]]:
-    """The condition list after `updates`: lastTransitionTime changes only when a
-    condition's status does; conditions not updated are kept as they are."""
+    """The condition list (as the API server holds it) after `updates`: lastTransitionTime
+    changes only when a condition's status does; conditions not updated are kept as they
+    are."""
     stamp = timestamp or now()
     by_type: dict[str, dict[str, Any]] = {c["type"]: dict(c) for c in current or []}
     for update in updates:
-        new = dict(update)
+        new = update.model_dump(mode="json", by_alias=True)
         old = by_type.get(new["type"])
         if old is not None and old.get("status") == new["status"] and old.get("lastTransitionTime"):
             new["lastTransitionTime"] = old["lastTransitionTime"]
@@ -206,7 +193,7 @@ def find(conditions: Iterable[Mapping[str, Any]] | None, type_: str) -> Mapping[
 
 def is_true(conditions: Iterable[Mapping[str, Any]] | None, type_: str) -> bool:
     cond = find(conditions, type_)
-    return cond is not None and cond.get("status") == "True"
+    return cond is not None and cond.get("status") == ConditionStatus.TRUE
 
 
 def transitions(

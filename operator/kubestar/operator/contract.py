@@ -21,11 +21,11 @@ with this environment (names are the constants below):
 Its service account may `get` its own TrainingRun and `get`/`patch` that run's `status`
 subresource, nothing else (a Role limited by resourceNames). It reports with
 `StatusPatcher.report(status)` (a `kubestar.training.progress.Reporter`), which sends a JSON
-merge patch of the fields the trainer owns: `phase` (SFT, Training, Succeeded, Failed),
-`stage`, `step`, `totalSteps`, `progress`, `metrics`, `lastCheckpoint`,
-`estimatedSecondsLeft`. The operator owns `conditions`, `observedGeneration`, `stepSummary`,
-`trainer` and the phases Pending and Provisioning; it also sets Succeeded or Failed from the
-Job's outcome when the trainer could not.
+merge patch of the fields the trainer owns: `phase` (Evaluating, SFT, Training, Succeeded,
+Failed: kubestar.api.conditions.TRAINER_PHASES), `stage`, `step`, `totalSteps`, `progress`,
+`metrics`, `lastCheckpoint`, `estimatedSecondsLeft`. The operator owns `conditions`,
+`observedGeneration`, `stepSummary`, `trainer` and the phases Pending and Provisioning; it
+also sets Succeeded or Failed from the Job's outcome when the trainer could not.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kubestar.api.conditions import TRAINER_PHASES
 from kubestar.api.v1alpha1 import API_VERSION, TrainingRunStatus
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,6 @@ CONFIG_DIR = "/etc/kubestar"
 RUN_CONFIG = f"{CONFIG_DIR}/run.yaml"
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
-TRAINER_PHASES = ("Evaluating", "SFT", "Training", "Succeeded", "Failed")
 TRAINER_FIELDS = (
     "phase",
     "stage",

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from kubestar.api.conditions import Condition, ConditionStatus
 from kubestar.operator import conditions as cond
 from kubestar.operator import kube as k
 from kubestar.operator import metrics
@@ -159,7 +160,7 @@ class Context:
     async def set_conditions(
         self,
         owner: Mapping[str, Any],
-        updates: list[dict[str, Any]],
+        updates: list[Condition],
         extra: Mapping[str, Any] | None = None,
     ) -> None:
         """Patch conditions (and `extra` status fields); an Event per transition."""
@@ -232,7 +233,9 @@ class Context:
         after: list[dict[str, Any]],
     ) -> None:
         for item in cond.transitions(before, after):
-            warning = item["status"] == "False" and item["reason"] not in cond.QUIET_REASONS
+            warning = (
+                item["status"] == ConditionStatus.FALSE and item["reason"] not in cond.QUIET_REASONS
+            )
             message = f"{item['type']}={item['status']}"
             if item.get("message"):
                 message += f": {item['message']}"

@@ -10,6 +10,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kubestar.api.conditions import Condition, ConditionType, Reason, condition
 from kubestar.api.v1alpha1 import RolloutFleetSpec
 from kubestar.operator import build_fleet
 from kubestar.operator import conditions as cond
@@ -58,7 +59,7 @@ def fleet_status(
     pods: Sequence[Mapping[str, Any]],
     capacities: Capacities | None,
     settings: OperatorSettings,
-) -> tuple[dict[str, Any], dict[str, Any]]:
+) -> tuple[dict[str, Any], Condition]:
     """(status fields, Ready condition) the operator writes (pure)."""
     meta = fleet["metadata"]
     generation = meta.get("generation", 0)
@@ -68,23 +69,25 @@ def fleet_status(
     known = [e["kvCapacityTokens"] for e in per_engine if e.get("kvCapacityTokens") is not None]
     reason, message = cond.summarize(cond.diagnose(pods))
     if spec.replicas == 0:
-        ready = cond.condition("Ready", False, "NoReplicas", "spec.replicas is 0", generation)
+        ready = condition(
+            ConditionType.READY, False, Reason.NO_REPLICAS, "spec.replicas is 0", generation
+        )
     elif ready_engines >= spec.replicas and scheduler_ready:
-        ready = cond.condition(
-            "Ready",
+        ready = condition(
+            ConditionType.READY,
             True,
-            "Ready",
+            Reason.READY,
             f"{ready_engines} {spec.accelerator} engine(s) behind the {spec.scheduler.policy} "
             "scheduler",
             generation,
         )
     elif reason:
-        ready = cond.condition("Ready", False, reason, message, generation)
+        ready = condition(ConditionType.READY, False, reason, message, generation)
     else:
-        ready = cond.condition(
-            "Ready",
+        ready = condition(
+            ConditionType.READY,
             False,
-            "Progressing",
+            Reason.PROGRESSING,
             f"{ready_engines}/{spec.replicas} engines ready, scheduler "
             f"{'ready' if scheduler_ready else 'not ready'}",
             generation,
@@ -109,8 +112,8 @@ async def reconcile(ctx: Context, fleet: dict[str, Any]) -> None:
     try:
         spec = fleet_spec(fleet, ctx.settings)
     except ValidationError as error:
-        invalid = cond.condition(
-            "Ready", False, "InvalidSpec", validation_message(error), generation
+        invalid = condition(
+            ConditionType.READY, False, Reason.INVALID_SPEC, validation_message(error), generation
         )
         await ctx.set_conditions(fleet, [invalid], {"observedGeneration": generation})
         return
@@ -118,12 +121,18 @@ async def reconcile(ctx: Context, fleet: dict[str, Any]) -> None:
         await ctx.apply_all(fleet, build_fleet.children(fleet, spec, ctx.settings))
     except ChildConflict as error:
         await ctx.set_conditions(
-            fleet, [cond.condition("Ready", False, "ChildConflict", str(error), generation)]
+            fleet,
+            [condition(ConditionType.READY, False, Reason.CHILD_CONFLICT, str(error), generation)],
         )
         return
     except k.ApiError as error:  # reported, then retried with backoff
         await ctx.set_conditions(
-            fleet, [cond.condition("Ready", False, "ApplyFailed", error.message[:500], generation)]
+            fleet,
+            [
+                condition(
+                    ConditionType.READY, False, Reason.APPLY_FAILED, error.message[:500], generation
+                )
+            ],
         )
         raise
     engines, scheduler, pods = await asyncio.gather(

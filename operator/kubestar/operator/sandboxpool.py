@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kubestar.api.conditions import Condition, ConditionType, Reason, condition
 from kubestar.api.v1alpha1 import SandboxPoolSpec
 from kubestar.operator import build_sandbox
 from kubestar.operator import conditions as cond
@@ -37,7 +38,7 @@ def pool_status(
     dispatcher: Mapping[str, Any] | None,
     pods: Sequence[Mapping[str, Any]],
     settings: OperatorSettings,
-) -> tuple[dict[str, Any], dict[str, Any]]:
+) -> tuple[dict[str, Any], Condition]:
     """(status fields, Ready condition) the operator writes (pure)."""
     meta = pool["metadata"]
     generation = meta.get("generation", 0)
@@ -45,22 +46,24 @@ def pool_status(
     ready_dispatchers = ready_replicas(dispatcher)
     reason, message = cond.summarize(cond.diagnose(pods))
     if spec.replicas == 0:
-        ready = cond.condition("Ready", False, "NoReplicas", "spec.replicas is 0", generation)
+        ready = condition(
+            ConditionType.READY, False, Reason.NO_REPLICAS, "spec.replicas is 0", generation
+        )
     elif ready_workers >= spec.replicas and ready_dispatchers >= 1:
-        ready = cond.condition(
-            "Ready",
+        ready = condition(
+            ConditionType.READY,
             True,
-            "Ready",
+            Reason.READY,
             f"{ready_workers} worker(s) with {spec.executors_per_pod} executors each",
             generation,
         )
     elif reason:
-        ready = cond.condition("Ready", False, reason, message, generation)
+        ready = condition(ConditionType.READY, False, reason, message, generation)
     else:
-        ready = cond.condition(
-            "Ready",
+        ready = condition(
+            ConditionType.READY,
             False,
-            "Progressing",
+            Reason.PROGRESSING,
             f"{ready_workers}/{spec.replicas} workers ready, dispatcher "
             f"{'ready' if ready_dispatchers else 'not ready'}",
             generation,
@@ -80,8 +83,8 @@ async def reconcile(ctx: Context, pool: dict[str, Any]) -> None:
     try:
         spec = SandboxPoolSpec.model_validate(pool.get("spec") or {})
     except ValidationError as error:
-        invalid = cond.condition(
-            "Ready", False, "InvalidSpec", validation_message(error), generation
+        invalid = condition(
+            ConditionType.READY, False, Reason.INVALID_SPEC, validation_message(error), generation
         )
         await ctx.set_conditions(pool, [invalid], {"observedGeneration": generation})
         return
@@ -90,12 +93,18 @@ async def reconcile(ctx: Context, pool: dict[str, Any]) -> None:
         await ctx.apply_all(pool, desired)
     except ChildConflict as error:
         await ctx.set_conditions(
-            pool, [cond.condition("Ready", False, "ChildConflict", str(error), generation)]
+            pool,
+            [condition(ConditionType.READY, False, Reason.CHILD_CONFLICT, str(error), generation)],
         )
         return
     except k.ApiError as error:  # reported, then retried with backoff
         await ctx.set_conditions(
-            pool, [cond.condition("Ready", False, "ApplyFailed", error.message[:500], generation)]
+            pool,
+            [
+                condition(
+                    ConditionType.READY, False, Reason.APPLY_FAILED, error.message[:500], generation
+                )
+            ],
         )
         raise
     workers, dispatcher, pods = await asyncio.gather(

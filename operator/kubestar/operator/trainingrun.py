@@ -17,6 +17,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+from kubestar.api.conditions import (
+    TERMINAL_PHASES,
+    TRAINER_PHASES,
+    Condition,
+    ConditionStatus,
+    ConditionType,
+    Phase,
+    Reason,
+    condition,
+)
 from kubestar.api.v1alpha1 import (
     GROUP,
     VERSION,
@@ -31,8 +41,6 @@ from kubestar.operator.sandboxpool import validation_message
 from pydantic import ValidationError
 
 KIND = "TrainingRun"
-TERMINAL = ("Succeeded", "Failed")
-TRAINER_PHASES = ("Evaluating", "SFT", "Training")
 RAY_VERSIONS = ("v1", "v1alpha1")
 
 
@@ -64,7 +72,7 @@ def accepted_spec(config_map: Mapping[str, Any] | None) -> dict[str, Any] | None
 
 
 def _ready(obj: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-    return cond.find((obj or {}).get("status", {}).get("conditions"), "Ready")
+    return cond.find((obj or {}).get("status", {}).get("conditions"), ConditionType.READY)
 
 
 def dependencies(
@@ -73,34 +81,42 @@ def dependencies(
     fleet: Mapping[str, Any] | None,
     pool: Mapping[str, Any] | None,
     generation: int,
-) -> tuple[dict[str, Any], bool]:
+) -> tuple[Condition, bool]:
     """(DependenciesReady condition, whether both exist)."""
     missing = []
     if fleet is None:
-        missing.append(("RolloutFleetNotFound", f"RolloutFleet {spec.rollout_fleet_ref.name}"))
+        missing.append(
+            (Reason.ROLLOUT_FLEET_NOT_FOUND, f"RolloutFleet {spec.rollout_fleet_ref.name}")
+        )
     if pool is None:
-        missing.append(("SandboxPoolNotFound", f"SandboxPool {spec.sandbox_pool_ref.name}"))
+        missing.append((Reason.SANDBOX_POOL_NOT_FOUND, f"SandboxPool {spec.sandbox_pool_ref.name}"))
     if missing:
         message = " and ".join(what for _, what in missing) + f" not found in {namespace}"
-        return cond.condition("DependenciesReady", False, missing[0][0], message, generation), False
+        deps = condition(
+            ConditionType.DEPENDENCIES_READY, False, missing[0][0], message, generation
+        )
+        return deps, False
     waiting = []
-    for kind, obj in (("RolloutFleet", fleet), ("SandboxPool", pool)):
+    for kind, reason, obj in (
+        ("RolloutFleet", Reason.ROLLOUT_FLEET_NOT_READY, fleet),
+        ("SandboxPool", Reason.SANDBOX_POOL_NOT_READY, pool),
+    ):
         ready = _ready(obj)
-        if ready is None or ready.get("status") != "True":
+        if ready is None or ready.get("status") != ConditionStatus.TRUE:
             detail = f"{ready['reason']}: {ready.get('message', '')}" if ready else "no status yet"
             waiting.append(
                 (
-                    kind,
+                    reason,
                     f"{kind} {obj['metadata']['name'] if obj else '?'} is not "
                     f"ready ({detail.rstrip(': ')})",
                 )
             )
     if waiting:
         return (
-            cond.condition(
-                "DependenciesReady",
+            condition(
+                ConditionType.DEPENDENCIES_READY,
                 False,
-                f"{waiting[0][0]}NotReady",
+                waiting[0][0],
                 "; ".join(message for _, message in waiting),
                 generation,
             ),
@@ -110,7 +126,9 @@ def dependencies(
         f"RolloutFleet {spec.rollout_fleet_ref.name} and SandboxPool "
         f"{spec.sandbox_pool_ref.name} are ready"
     )
-    return cond.condition("DependenciesReady", True, "Ready", message, generation), True
+    return condition(
+        ConditionType.DEPENDENCIES_READY, True, Reason.READY, message, generation
+    ), True
 
 
 @dataclass
@@ -129,12 +147,12 @@ def job_outcome(job: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]]
     problems = cond.diagnose(pods)
     reason, message = cond.summarize(problems)
     for item in status.get("conditions") or []:
-        if item.get("status") != "True":
+        if item.get("status") != ConditionStatus.TRUE:
             continue
         if item.get("type") == "Complete":
-            return Outcome("succeeded", "Succeeded", "the trainer Job completed")
+            return Outcome("succeeded", Reason.SUCCEEDED, "the trainer Job completed")
         if item.get("type") == "Failed":
-            job_reason = item.get("reason") or "JobFailed"
+            job_reason = item.get("reason") or Reason.JOB_FAILED
             detail = message or item.get("message", "")
             return Outcome(
                 "failed",
@@ -142,12 +160,12 @@ def job_outcome(job: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]]
                 f"trainer Job failed ({job_reason}): {detail}".rstrip(": "),
             )
     if status.get("succeeded"):
-        return Outcome("succeeded", "Succeeded", "the trainer Job completed")
+        return Outcome("succeeded", Reason.SUCCEEDED, "the trainer Job completed")
     if reason:
         return Outcome("starting", reason, message)
     if any(cond.pod_ready(pod) for pod in pods):
-        return Outcome("running", "Running", "the trainer pod is running")
-    return Outcome("starting", "Starting", "the trainer pod is starting")
+        return Outcome("running", Reason.RUNNING, "the trainer pod is running")
+    return Outcome("starting", Reason.STARTING, "the trainer pod is starting")
 
 
 def ray_outcome(ray_job: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]]) -> Outcome:
@@ -158,25 +176,25 @@ def ray_outcome(ray_job: Mapping[str, Any] | None, pods: Sequence[Mapping[str, A
     deployment = status.get("jobDeploymentStatus", "")
     reason, message = cond.summarize(cond.diagnose(pods))
     if job_status == "SUCCEEDED":
-        return Outcome("succeeded", "Succeeded", "the RayJob succeeded")
+        return Outcome("succeeded", Reason.SUCCEEDED, "the RayJob succeeded")
     if job_status in ("FAILED", "STOPPED") or deployment == "Failed":
         detail = status.get("message", "") or message
         return Outcome(
             "failed",
-            reason or "RayJobFailed",
+            reason or Reason.RAY_JOB_FAILED,
             f"RayJob {job_status or deployment}: {detail}".rstrip(": "),
         )
     if reason:
         return Outcome("starting", reason, message)
     if job_status == "RUNNING":
-        return Outcome("running", "Running", "the RayJob is running")
-    return Outcome("starting", "Starting", f"RayJob {deployment or 'starting'}")
+        return Outcome("running", Reason.RUNNING, "the RayJob is running")
+    return Outcome("starting", Reason.STARTING, f"RayJob {deployment or 'starting'}")
 
 
 @dataclass
 class Decision:
-    phase: str
-    conditions: list[dict[str, Any]] = field(default_factory=list)
+    phase: Phase
+    conditions: list[Condition] = field(default_factory=list)
     start: bool = False
 
 
@@ -184,7 +202,7 @@ def decide(
     phase_now: str,
     generation: int,
     spec_problem: tuple[str, str] | None,
-    deps: dict[str, Any] | None,
+    deps: Condition | None,
     deps_exist: bool,
     outcome: Outcome,
     blocked: tuple[str, str] | None = None,
@@ -194,64 +212,69 @@ def decide(
     spec_problem: (reason, message) for an invalid spec or a refused change.
     blocked: (reason, message) when the workload cannot be created (KubeRay missing).
     """
-    conditions: list[dict[str, Any]] = []
+    accepted = ConditionType.SPEC_ACCEPTED
+    conditions: list[Condition] = []
     if spec_problem:
-        conditions.append(cond.condition("SpecAccepted", False, *spec_problem, generation))
+        conditions.append(condition(accepted, False, *spec_problem, generation))
     else:
-        conditions.append(cond.condition("SpecAccepted", True, "Accepted", "", generation))
+        conditions.append(condition(accepted, True, Reason.ACCEPTED, "", generation))
     if deps is not None:
         conditions.append(deps)
-    deps_ready = deps is not None and deps["status"] == "True"
+    deps_ready = deps is not None and deps.status == ConditionStatus.TRUE
     invalid = (
         spec_problem is not None
-        and spec_problem[0] == "InvalidSpec"
+        and spec_problem[0] == Reason.INVALID_SPEC
         and (outcome.state == "absent")
     )
 
-    if phase_now in TERMINAL:
-        phase = phase_now
+    # Terminal phases stick, and the trainer's own phases are kept while its workload lives
+    # (membership is checked before Phase(phase_now), so that cannot fail).
+    phase: Phase
+    if phase_now in TERMINAL_PHASES:
+        phase = Phase(phase_now)
     elif outcome.state == "succeeded":
-        phase = "Succeeded"
+        phase = Phase.SUCCEEDED
     elif outcome.state == "failed":
-        phase = "Failed"
+        phase = Phase.FAILED
     elif phase_now in TRAINER_PHASES and outcome.state != "absent":
-        phase = phase_now
+        phase = Phase(phase_now)
     elif outcome.state != "absent":
-        phase = "Provisioning"
+        phase = Phase.PROVISIONING
     elif invalid or not deps_exist or blocked:
-        phase = "Pending"
+        phase = Phase.PENDING
     else:
-        phase = "Provisioning"
+        phase = Phase.PROVISIONING
 
     start = (
         outcome.state == "absent"
-        and phase not in TERMINAL
+        and phase not in TERMINAL_PHASES
         and deps_ready
         and not invalid
         and blocked is None
     )
+    trainer_ready = ConditionType.TRAINER_READY
     if outcome.state == "absent":
-        if phase in TERMINAL:
-            trainer = cond.condition(
-                "TrainerReady", False, "Finished", "the run is over", generation
+        if phase in TERMINAL_PHASES:
+            trainer = condition(
+                trainer_ready, False, Reason.FINISHED, "the run is over", generation
             )
         elif blocked:
-            trainer = cond.condition("TrainerReady", False, *blocked, generation)
+            trainer = condition(trainer_ready, False, *blocked, generation)
         elif start:
-            trainer = cond.condition(
-                "TrainerReady", False, "Creating", "creating the trainer", generation
+            trainer = condition(
+                trainer_ready, False, Reason.CREATING, "creating the trainer", generation
             )
         else:
-            trainer = cond.condition(
-                "TrainerReady",
+            trainer = condition(
+                trainer_ready,
                 False,
-                "WaitingForDependencies",
+                Reason.WAITING_FOR_DEPENDENCIES,
                 "the trainer starts when the fleet and pool are ready",
                 generation,
             )
     else:
-        trainer = cond.condition(
-            "TrainerReady", outcome.state == "running", outcome.reason, outcome.message, generation
+        trainer = condition(
+            trainer_ready, outcome.state == "running", outcome.reason, outcome.message, generation
         )
     conditions.append(trainer)
     return Decision(phase, conditions, start)
@@ -283,7 +306,7 @@ async def reconcile(ctx: Context, run: dict[str, Any]) -> None:
     name, namespace = meta["name"], meta["namespace"]
     generation = meta.get("generation", 0)
     status_now = run.get("status") or {}
-    phase_now = status_now.get("phase") or "Pending"
+    phase_now = status_now.get("phase") or Phase.PENDING
     settings = ctx.settings
 
     spec_problem: tuple[str, str] | None = None
@@ -291,7 +314,7 @@ async def reconcile(ctx: Context, run: dict[str, Any]) -> None:
     try:
         spec = TrainingRunSpec.model_validate(run.get("spec") or {})
     except ValidationError as error:
-        spec_problem = ("InvalidSpec", validation_message(error))
+        spec_problem = (Reason.INVALID_SPEC, validation_message(error))
 
     # Once the trainer runs, its spec is the one in run.yaml; changes are refused.
     trainer = build_trainer.trainer_name(name)
@@ -339,7 +362,7 @@ async def reconcile(ctx: Context, run: dict[str, Any]) -> None:
         if accepted != current:
             changed = diff_paths(accepted, current)
             spec_problem = (
-                "SpecChangeRefused",
+                Reason.SPEC_CHANGE_REFUSED,
                 f"the trainer is running with the spec it started with; cannot change "
                 f"{', '.join(changed[:8])}{' ...' if len(changed) > 8 else ''} "
                 "(revert the change, or create a new TrainingRun)",
@@ -349,7 +372,7 @@ async def reconcile(ctx: Context, run: dict[str, Any]) -> None:
     try:
         await ctx.apply_all(run, [build_trainer.config_map(run, spec), *build_trainer.rbac(run)])
     except ChildConflict as error:
-        spec_problem = ("ChildConflict", str(error))
+        spec_problem = (Reason.CHILD_CONFLICT, str(error))
 
     fleet, pool = await asyncio.gather(
         ctx.kube.get(
@@ -364,7 +387,7 @@ async def reconcile(ctx: Context, run: dict[str, Any]) -> None:
     blocked = None
     if spec.trainer.workers > 1 and version is None and not started:
         blocked = (
-            "KubeRayNotInstalled",
+            Reason.KUBERAY_NOT_INSTALLED,
             f"spec.trainer.workers is {spec.trainer.workers}: several trainer workers run as a "
             "KubeRay RayJob, but this cluster does not serve rayjobs.ray.io; install the "
             "KubeRay operator, or set spec.trainer.workers to 1",
@@ -386,20 +409,23 @@ async def reconcile(ctx: Context, run: dict[str, Any]) -> None:
         try:
             applied = await ctx.apply(run, workload, immutable=True)
         except (k.ApiError, ChildConflict) as error:
-            reason = "ChildConflict" if isinstance(error, ChildConflict) else "ApplyFailed"
+            conflict = isinstance(error, ChildConflict)
+            reason = Reason.CHILD_CONFLICT if conflict else Reason.APPLY_FAILED
             message = str(error) if isinstance(error, ChildConflict) else error.message
-            decision.conditions[-1] = cond.condition(
-                "TrainerReady", False, reason, message[:500], generation
+            decision.conditions[-1] = condition(
+                ConditionType.TRAINER_READY, False, reason, message[:500], generation
             )
             await _write(ctx, run, decision, extra)
             if isinstance(error, ChildConflict):
                 return
             raise
-        decision.phase = "Provisioning"
+        decision.phase = Phase.PROVISIONING
         extra["trainer"] = f"{workload['kind']}/{workload['metadata']['name']}"
         if applied.action == "created":
             await ctx.event(
-                run, "TrainerCreated", f"created {workload['kind']} {workload['metadata']['name']}"
+                run,
+                Reason.TRAINER_CREATED,
+                f"created {workload['kind']} {workload['metadata']['name']}",
             )
     elif job is not None:
         extra["trainer"] = f"Job/{trainer}"
@@ -425,7 +451,7 @@ async def _write(
     seen = ctx.phases.get(key, before)
     if decision.phase != seen:
         metrics.TRANSITIONS.labels(decision.phase).inc()
-        warning = decision.phase == "Failed"
+        warning = decision.phase == Phase.FAILED
         await ctx.event(
             run,
             decision.phase,

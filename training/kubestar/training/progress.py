@@ -8,11 +8,11 @@ TrainingRunStatus the CRD declares.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from kubestar.api.v1alpha1 import Condition, TrainingMetrics, TrainingRunStatus
+from kubestar.api.conditions import ConditionType, Phase, condition
+from kubestar.api.v1alpha1 import TrainingMetrics, TrainingRunStatus
 
 
 class Reporter(Protocol):
@@ -56,17 +56,19 @@ class MetricsLog:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
 
-def condition(
-    type_: str, status: bool, reason: str, message: str = "", generation: int = 0
-) -> Condition:
-    return Condition(
-        type=type_,
-        status="True" if status else "False",
-        reason=reason,
-        message=message,
-        observed_generation=generation,
-        last_transition_time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+def set_phase(status: TrainingRunStatus, phase: Phase, reason: str, message: str) -> None:
+    """Move the run to `phase`, with a Progressing condition that says why (False once the
+    run failed)."""
+    status.phase = phase
+    progressing = condition(
+        ConditionType.PROGRESSING,
+        phase is not Phase.FAILED,
+        reason,
+        message,
+        status.observed_generation,
     )
+    others = [c for c in status.conditions if c.type != ConditionType.PROGRESSING]
+    status.conditions = [*others, progressing]
 
 
 def status_metrics(metrics: dict[str, float]) -> TrainingMetrics:

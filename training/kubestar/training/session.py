@@ -22,29 +22,24 @@ import shutil
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kubestar.api.conditions import Phase, Reason
 from kubestar.api.v1alpha1 import DatasetSpec, StageSpec, TrainingRun, TrainingRunStatus
 from kubestar.training import checkpoint
 from kubestar.training.checkpoint import RunState
 from kubestar.training.datasets import Problem, jsonl_problems, reasoning_gym_problems
+from kubestar.training.endpoints import Endpoints
 from kubestar.training.generators import Sampling
 from kubestar.training.policy import OptimizerConfig, Policy
-from kubestar.training.progress import MetricsLog, Reporter, condition, status_metrics
+from kubestar.training.progress import MetricsLog, Reporter, set_phase, status_metrics
 from kubestar.training.trainer import AlgorithmConfig, GrpoTrainer
 from kubestar.training.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[str, int, int, dict[str, float]], None]
-
-
-@dataclass
-class Endpoints:
-    scheduler: str
-    sandbox: str
 
 
 def load_dataset(spec: DatasetSpec) -> list[Problem]:
@@ -142,7 +137,7 @@ class TrainingSession:
         try:
             self._run(policy, worker)
         except Exception as error:
-            self._set_phase("Failed", "TrainerError", f"{type(error).__name__}: {error}")
+            self._set_phase(Phase.FAILED, Reason.TRAINER_ERROR, f"{type(error).__name__}: {error}")
             raise
         finally:
             ray.get(worker.close.remote())
@@ -163,7 +158,9 @@ class TrainingSession:
 
         sft = self.spec.sft
         if sft is not None and sft.enabled and not state.sft_done:
-            self._set_phase("SFT", "SupervisedFineTuning", "non-reasoning SFT on the tool format")
+            self._set_phase(
+                Phase.SFT, Reason.SUPERVISED_FINE_TUNING, "non-reasoning SFT on the tool format"
+            )
             from kubestar.training.sft import run_sft
 
             sft_metrics = run_sft(
@@ -176,7 +173,7 @@ class TrainingSession:
             if "sft" in self.spec.evaluation.at:
                 self._evaluate(worker, "sft")
 
-        self._set_phase("Training", "Training", "GRPO-RoC stages")
+        self._set_phase(Phase.TRAINING, Reason.TRAINING, "GRPO-RoC stages")
         for index in range(state.stage_index, len(self.spec.stages)):
             stage = self.spec.stages[index]
             if index != state.stage_index:
@@ -218,7 +215,7 @@ class TrainingSession:
                     self._checkpoint(policy, state, trainer)
         if "end" in self.spec.evaluation.at:
             self._evaluate(worker, "end")
-        self._set_phase("Succeeded", "Completed", f"{self.status.total_steps} steps done")
+        self._set_phase(Phase.SUCCEEDED, Reason.COMPLETED, f"{self.status.total_steps} steps done")
 
     # -- pieces ----------------------------------------------------------------------------
     def _algorithm(self) -> AlgorithmConfig:
@@ -341,7 +338,7 @@ class TrainingSession:
         evaluation = self.spec.evaluation
         if evaluation.dataset is None:
             return
-        self._set_phase("Evaluating", "Evaluating", f"held-out problems ({point})")
+        self._set_phase(Phase.EVALUATING, Reason.EVALUATING, f"held-out problems ({point})")
         problems = load_dataset(evaluation.dataset)
         max_tokens = max(stage.max_response_tokens for stage in self.spec.stages)
         trajectories, _ = ray.get(
@@ -368,13 +365,8 @@ class TrainingSession:
             )
         )
 
-    def _set_phase(self, phase: str, reason: str, message: str) -> None:
-        self.status.phase = phase  # type: ignore[assignment]
-        ready = phase not in ("Failed",)
-        self.status.conditions = [c for c in self.status.conditions if c.type != "Progressing"]
-        self.status.conditions.append(
-            condition("Progressing", ready, reason, message, self.status.observed_generation)
-        )
+    def _set_phase(self, phase: Phase, reason: Reason, message: str) -> None:
+        set_phase(self.status, phase, reason, message)
         self.reporter.report(self.status)
 
 

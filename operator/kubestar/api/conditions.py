@@ -1,0 +1,194 @@
+"""What the status of a kubestar resource says: phases, condition types and reasons, and
+`condition()`, the one way the operator and the trainer build a condition.
+
+These values are what users read in `kubectl get` and `kubectl describe` and what scripts and
+alerts match on, so each is a named constant here rather than a string typed where it is
+written. Reasons that Kubernetes itself reports and the operator passes on (a Job's
+BackoffLimitExceeded, a kubelet's less common waiting reasons) stay plain strings; those the
+operator looks for in pods are listed in `Reason`.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+
+class Phase(StrEnum):
+    """Where a TrainingRun is in its life (status.phase):
+
+    Pending -> Provisioning -> (Evaluating) -> (SFT) -> Training -> (Evaluating) -> Succeeded,
+    or Failed from any of them.
+    """
+
+    # Waiting for a valid spec, for its RolloutFleet and SandboxPool to exist, or for KubeRay.
+    PENDING = "Pending"
+    # The trainer workload is being created or is starting.
+    PROVISIONING = "Provisioning"
+    # The trainer is evaluating the policy on held-out problems (spec.evaluation.at).
+    EVALUATING = "Evaluating"
+    # The trainer runs the non-reasoning SFT stage (spec.sft).
+    SFT = "SFT"
+    # The trainer runs the RL stages (spec.stages).
+    TRAINING = "Training"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+# The phases the trainer reports itself; the operator owns Pending and Provisioning, and sets
+# Succeeded or Failed from the trainer workload's outcome when the trainer could not.
+TRAINER_PHASES = frozenset(
+    {Phase.EVALUATING, Phase.SFT, Phase.TRAINING, Phase.SUCCEEDED, Phase.FAILED}
+)
+# Once a run reaches one of these, its phase never changes again.
+TERMINAL_PHASES = frozenset({Phase.SUCCEEDED, Phase.FAILED})
+
+
+class ConditionStatus(StrEnum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class ConditionType(StrEnum):
+    """The conditions kubestar writes (status.conditions[].type)."""
+
+    # SandboxPool, RolloutFleet: every replica is ready and the pool or fleet serves requests.
+    READY = "Ready"
+    # TrainingRun: the spec is valid and, once the trainer runs, unchanged since it started.
+    SPEC_ACCEPTED = "SpecAccepted"
+    # TrainingRun: its RolloutFleet and SandboxPool exist and are Ready.
+    DEPENDENCIES_READY = "DependenciesReady"
+    # TrainingRun: the trainer workload (a Job, or a KubeRay RayJob) is running.
+    TRAINER_READY = "TrainerReady"
+    # TrainingRun run locally (`kubestar train -f`): the trainer is making progress.
+    PROGRESSING = "Progressing"
+
+
+class Reason(StrEnum):
+    """Why a condition has its status (status.conditions[].reason). The operator also posts
+    an Event with this reason each time a condition's status or reason changes."""
+
+    # Any resource.
+    READY = "Ready"
+    # Replicas are starting and nothing is wrong with them yet.
+    PROGRESSING = "Progressing"
+    # spec.replicas is 0.
+    NO_REPLICAS = "NoReplicas"
+    # The spec fails validation; the message names each field.
+    INVALID_SPEC = "InvalidSpec"
+    # An object the operator would create exists and belongs to someone else.
+    CHILD_CONFLICT = "ChildConflict"
+    # The API server refused an object the operator applied.
+    APPLY_FAILED = "ApplyFailed"
+
+    # What is wrong with a pod, as kubestar.operator.conditions.diagnose finds it.
+    OOM_KILLED = "OOMKilled"
+    CRASH_LOOP_BACK_OFF = "CrashLoopBackOff"
+    IMAGE_PULL_BACK_OFF = "ImagePullBackOff"
+    ERR_IMAGE_PULL = "ErrImagePull"
+    ERR_IMAGE_NEVER_PULL = "ErrImageNeverPull"
+    INVALID_IMAGE_NAME = "InvalidImageName"
+    CREATE_CONTAINER_CONFIG_ERROR = "CreateContainerConfigError"
+    CREATE_CONTAINER_ERROR = "CreateContainerError"
+    RUN_CONTAINER_ERROR = "RunContainerError"
+    # No node has a free GPU of the kind the pod asks for.
+    INSUFFICIENT_GPU = "InsufficientGPU"
+    UNSCHEDULABLE = "Unschedulable"
+    # A container exited with a non-zero code.
+    CONTAINER_ERROR = "Error"
+
+    # TrainingRun, SpecAccepted.
+    ACCEPTED = "Accepted"
+    # The spec changed after the trainer started with it.
+    SPEC_CHANGE_REFUSED = "SpecChangeRefused"
+
+    # TrainingRun, DependenciesReady.
+    ROLLOUT_FLEET_NOT_FOUND = "RolloutFleetNotFound"
+    SANDBOX_POOL_NOT_FOUND = "SandboxPoolNotFound"
+    ROLLOUT_FLEET_NOT_READY = "RolloutFleetNotReady"
+    SANDBOX_POOL_NOT_READY = "SandboxPoolNotReady"
+
+    # TrainingRun, TrainerReady.
+    WAITING_FOR_DEPENDENCIES = "WaitingForDependencies"
+    # spec.trainer.workers > 1 needs KubeRay's RayJob, which the cluster does not serve.
+    KUBERAY_NOT_INSTALLED = "KubeRayNotInstalled"
+    CREATING = "Creating"
+    STARTING = "Starting"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    # The run is over and its trainer workload is gone.
+    FINISHED = "Finished"
+    JOB_FAILED = "JobFailed"
+    RAY_JOB_FAILED = "RayJobFailed"
+    # An Event's reason, when the operator creates the trainer workload.
+    TRAINER_CREATED = "TrainerCreated"
+
+    # TrainingRun, Progressing (written by the trainer).
+    EVALUATING = "Evaluating"
+    SUPERVISED_FINE_TUNING = "SupervisedFineTuning"
+    TRAINING = "Training"
+    COMPLETED = "Completed"
+    # The trainer raised; the message names the exception.
+    TRAINER_ERROR = "TrainerError"
+
+
+class Condition(BaseModel):
+    """One observation of the resource's state, as metav1.Condition: a type, a status, and a
+    reason and message that say why."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+    type: str = Field(
+        description="What the condition is about: Ready (SandboxPool, RolloutFleet); "
+        "SpecAccepted, DependenciesReady or TrainerReady (TrainingRun)."
+    )
+    status: ConditionStatus = Field(
+        description="True, False or Unknown: whether the condition holds."
+    )
+    reason: str = Field(
+        description="Why the condition has its status, in CamelCase, e.g. Ready, Progressing, "
+        "ImagePullBackOff, OOMKilled, InsufficientGPU, RolloutFleetNotReady."
+    )
+    message: str = Field(
+        "",
+        description="What a person needs to know, e.g. which pod and container is failing, "
+        "the image that cannot be pulled, or the field that is invalid.",
+    )
+    last_transition_time: str = Field(
+        "",
+        description="When the status last changed (RFC 3339, UTC). A new reason or message "
+        "with the same status keeps it.",
+    )
+    observed_generation: int = Field(
+        0, description="The metadata.generation of the spec this condition was computed from."
+    )
+
+
+def now() -> str:
+    """The current time as conditions write it (RFC 3339, UTC, whole seconds)."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def condition(
+    type_: ConditionType,
+    status: bool | ConditionStatus,
+    reason: str,
+    message: str = "",
+    generation: int = 0,
+) -> Condition:
+    """A condition stamped with the current time. `reason` is a `Reason`, or a reason
+    Kubernetes reported that is passed on as it is."""
+    if isinstance(status, bool):
+        status = ConditionStatus.TRUE if status else ConditionStatus.FALSE
+    return Condition(
+        type=type_,
+        status=status,
+        reason=reason,
+        message=message,
+        observed_generation=generation,
+        last_transition_time=now(),
+    )
