@@ -59,7 +59,7 @@ class ObjectReference(Spec):
 
 
 class CallLimitsSpec(Spec):
-    """What one tool call may use; a call may ask for less, never for more."""
+    """Limits of each tool call: time, memory and output."""
 
     timeout_seconds: float = Field(
         10.0,
@@ -100,11 +100,11 @@ class SandboxPoolSpec(Spec):
         ge=1,
         le=256,
         description="Pre-started Python executors in each worker pod: the calls one pod runs "
-        "at the same time. Capacity is replicas x executorsPerPod.",
+        "at the same time. The pool's capacity is ready workers x executorsPerPod.",
     )
     limits: CallLimitsSpec = Field(
         default_factory=CallLimitsSpec,
-        description="Per-call limits: time, memory and output size.",
+        description="Limits of each tool call: wall-clock time, memory and output size.",
     )
     preload: list[str] = Field(
         default_factory=lambda: ["numpy", "sympy"],
@@ -232,7 +232,8 @@ class SchedulerSpec(Spec):
     policy: Literal["kv-aware", "least-requests", "round-robin"] = Field(
         "kv-aware",
         description="How requests are placed: kv-aware admits a request only where its KV "
-        "cache fits and keeps a trajectory's turns on the engine that holds its prefix; "
+        "cache fits and keeps a trajectory's turns on the engine that holds its prefix while "
+        "it has room; "
         "least-requests picks the engine with the fewest requests in flight; round-robin "
         "takes engines in turn.",
     )
@@ -303,9 +304,9 @@ class AlgorithmSpec(Spec):
     name: Literal["grpo-roc", "grpo"] = Field(
         "grpo-roc",
         description="grpo-roc: GRPO with Resample-on-Correct (roll out groupSize x "
-        "oversampleFactor trajectories per problem, keep groupSize: positives with the fewest "
-        "tool errors and format issues, negatives at random). grpo: plain GRPO, no "
-        "oversampling.",
+        "oversampleFactor trajectories per problem and keep groupSize of them: correct ones "
+        "favouring few tool errors and format issues, incorrect ones at random). grpo: plain "
+        "GRPO, no oversampling.",
     )
     group_size: int = Field(
         16,
@@ -528,13 +529,15 @@ class CheckpointSpec(Spec):
     keep: int = Field(3, ge=1, description="Newest checkpoints kept; older ones are deleted.")
     path: str = Field(
         "",
-        description="Folder of the checkpoints. Empty: under the run's folder in a local run; "
-        "on a cluster, the chart's shared checkpoint volume (trainer.checkpointDir).",
+        description="Folder of the checkpoints. Empty: under the run's folder in a local run, "
+        "the chart's trainer.checkpointDir on a cluster. With the chart's shared checkpoint "
+        "volume (trainer.sharedCheckpoints, which the engines mount to load new weights) "
+        "checkpoints go to checkpointDir/NAMESPACE/NAME there instead.",
     )
     pvc_claim_name: str | None = Field(
         None,
-        description="A PersistentVolumeClaim the checkpoints go to (mounted in the trainer "
-        "and the engines); takes precedence over path.",
+        description="A PersistentVolumeClaim of the run's own for the checkpoints, mounted at "
+        "path in the trainer pods; takes precedence over the shared checkpoint volume.",
     )
 
 
