@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import click
 from kubestar.cli.engine import engine, model
+from kubestar.cli.errors import DEBUG_ENV, debug_requested, describe
 from kubestar.cli.eval import evaluate
 from kubestar.cli.operator import operator
 from kubestar.cli.rollout import rollout
@@ -14,8 +18,11 @@ from kubestar.cli.train import train
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="kubestar")
-def cli() -> None:
+@click.option("--debug", is_flag=True, help=f"Show tracebacks (also {DEBUG_ENV}=1).")
+def cli(debug: bool) -> None:
     """kubestar: agentic RL with a code tool, on Kubernetes or one machine."""
+    if debug:
+        os.environ[DEBUG_ENV] = "1"
 
 
 cli.add_command(sandbox)
@@ -29,7 +36,26 @@ cli.add_command(evaluate)
 
 
 def main() -> None:
-    cli()
+    """Run the command; an error is one line on stderr and a non-zero exit code."""
+    try:
+        code = cli.main(prog_name="kubestar", standalone_mode=False)
+    except click.UsageError as error:
+        help_command = f"{error.ctx.command_path} --help" if error.ctx else "kubestar --help"
+        fail(f"{error.format_message()} (see `{help_command}`)", error.exit_code)
+    except click.ClickException as error:
+        fail(error.format_message(), error.exit_code)
+    except (click.Abort, KeyboardInterrupt):
+        fail("interrupted", 130)
+    except Exception as error:
+        if debug_requested():
+            raise
+        fail(describe(error), 1)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def fail(message: str, code: int) -> None:
+    click.echo(f"kubestar: error: {message}", err=True)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -54,11 +54,11 @@ def run_command(
     log_level: str,
 ) -> None:
     """Reconcile kubestar's custom resources until SIGTERM."""
+    from kubestar.common.net import start_metrics_server
     from kubestar.operator import kube
     from kubestar.operator.leader import LeaderElector
     from kubestar.operator.main import Runtime
     from kubestar.operator.settings import OperatorSettings
-    from prometheus_client import start_http_server
 
     logs.configure(log_level)
     # kopf logs every handled watch event at INFO; the reconcilers log what matters.
@@ -68,7 +68,7 @@ def run_command(
         settings.namespaces = list(namespaces)
     connection = kube.connect(kubeconfig or None)
     if metrics_port:
-        start_http_server(metrics_port, metrics_address)
+        start_metrics_server(metrics_port, metrics_address)
 
     async def main() -> int:
         stop = asyncio.Event()

@@ -1,4 +1,5 @@
-"""Services on this machine: a free port to bind, and waiting until a gRPC server serves.
+"""Services on this machine: a free port to bind, an address checked before a server binds
+it, and waiting until a gRPC server serves.
 
 Used wherever kubestar starts its own services as local processes (`kubestar train -f`,
 `kubestar eval`) and by the tests and benchmarks that do the same.
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -22,6 +24,36 @@ def free_port(host: str = "127.0.0.1") -> int:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+class CannotListen(OSError):
+    """An address a server was told to listen on is taken (or not this machine's)."""
+
+
+def check_can_listen(address: str, option: str) -> None:
+    """Raise CannotListen, naming `address` and the `option` that gave it, when a server could
+    not bind it: found before gRPC tries (which logs lines of its own) or a metrics server
+    fails with an error that names no address."""
+    host, _, port_text = address.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    if not port_text.isdigit() or int(port_text) == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # As a server binds: a port left in TIME_WAIT is free, one with a listener is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, int(port_text)))
+        except OSError as error:
+            raise CannotListen(
+                error.errno, f"{option} {address}: {error.strerror}: pick another address"
+            ) from None
+
+
+def start_metrics_server(port: int, address: str, registry: CollectorRegistry = REGISTRY) -> None:
+    """Prometheus metrics on http://ADDRESS:PORT/metrics (from --metrics-port/--metrics-address)."""
+    check_can_listen(f"{address}:{port}", "--metrics-port")
+    start_http_server(port, addr=address, registry=registry)
 
 
 def wait_serving(

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from kubestar.common.net import check_can_listen, start_metrics_server
 from kubestar.sandbox.backend import Backend
 from kubestar.sandbox.dispatcher import WorkerDispatcher
 from kubestar.sandbox.executor import ExecutorConfig
@@ -16,7 +17,6 @@ from kubestar.sandbox.pool import ExecutorPool
 from kubestar.sandbox.service import SandboxServicer
 from kubestar.v1 import sandbox_pb2
 from kubestar.v1 import sandbox_pb2_grpc as pb_grpc
-from prometheus_client import start_http_server
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +61,18 @@ class SandboxServer:
         self.port = 0
 
     async def start(self) -> None:
+        # Before anything starts: a taken address is the user's to fix, in one line.
+        check_can_listen(self.config.listen, "--listen")
+        if self.config.metrics_port:
+            address = f"{self.config.metrics_address}:{self.config.metrics_port}"
+            check_can_listen(address, "--metrics-port")
         await self.backend.start()
         pb_grpc.add_SandboxServiceServicer_to_server(SandboxServicer(self.backend), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(self.config.listen)
         await self.server.start()
         if self.config.metrics_port:
-            start_http_server(self.config.metrics_port, addr=self.config.metrics_address)
+            start_metrics_server(self.config.metrics_port, self.config.metrics_address)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         role = "dispatcher" if self.config.workers else "worker"

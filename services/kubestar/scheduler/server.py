@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from kubestar.common.net import check_can_listen, start_metrics_server
 from kubestar.scheduler.core import RequestTooLarge
 from kubestar.scheduler.discovery import KubernetesDiscovery
 from kubestar.scheduler.metrics import SchedulerMetrics
@@ -23,7 +24,6 @@ from kubestar.scheduler.scheduler import (
 )
 from kubestar.v1 import rollout_pb2 as pb
 from kubestar.v1 import rollout_pb2_grpc as pb_grpc
-from prometheus_client import start_http_server
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +163,11 @@ class SchedulerServer:
         log.info("scheduler availability", extra={"fields": {"serving": available}})
 
     async def start(self) -> None:
+        # Before anything starts: a taken address is the user's to fix, in one line.
+        check_can_listen(self.config.listen, "--listen")
+        if self.config.metrics_port:
+            address = f"{self.config.metrics_address}:{self.config.metrics_port}"
+            check_can_listen(address, "--metrics-port")
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         pb_grpc.add_RolloutSchedulerServiceServicer_to_server(
@@ -179,10 +184,8 @@ class SchedulerServer:
             )
             self.discovery.start()
         if self.config.metrics_port:
-            start_http_server(
-                self.config.metrics_port,
-                addr=self.config.metrics_address,
-                registry=self.metrics.registry,
+            start_metrics_server(
+                self.config.metrics_port, self.config.metrics_address, self.metrics.registry
             )
         log.info(
             "scheduler serving",
