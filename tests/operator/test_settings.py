@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import base64
+import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
 from kubestar.operator import kube
@@ -33,7 +35,7 @@ def test_settings_from_the_chart_shape(tmp_path: Path) -> None:
     settings = OperatorSettings.load(path)
     assert settings.default_accelerator == "amd"
     assert settings.images.kubestar == "registry.local/kubestar:1"
-    assert settings.images.engine_rocm == "rocm/vllm:latest"
+    assert settings.images.engine_rocm == OperatorSettings().images.engine_rocm
     assert settings.network.host_network and settings.network.api_server_port == 6443
     assert OperatorSettings.load(None) == OperatorSettings()
     with pytest.raises(ValidationError, match="imagez"):
@@ -88,3 +90,25 @@ def test_lease_expiry() -> None:
     assert not expired(fresh, now)
     assert expired(stale, now)
     assert expired({}, now)
+
+
+def test_every_default_image_names_a_version() -> None:
+    """The chart's and the operator's default images agree and are pinned; the values schema
+    refuses an image without a version or tagged latest."""
+    chart = Path(__file__).resolve().parents[2] / "helm" / "kubestar"
+    values = yaml.safe_load((chart / "values.yaml").read_text())
+    schema = json.loads((chart / "values.schema.json").read_text())
+    defaults = OperatorSettings().images
+    images = values["images"]
+    assert (images["engineCpu"], images["engineRocm"], images["engineCuda"]) == (
+        defaults.engine_cpu,
+        defaults.engine_rocm,
+        defaults.engine_cuda,
+    )
+    jsonschema.validate(values, schema)
+    for image in ("vllm/vllm-openai:latest", "vllm/vllm-openai", "registry:5000/vllm"):
+        unpinned = {**values, "images": {**images, "engineCuda": image}}
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(unpinned, schema)
+    pinned = {**images, "engineCuda": "registry:5000/vllm@sha256:" + "0" * 64}
+    jsonschema.validate({**values, "images": pinned}, schema)

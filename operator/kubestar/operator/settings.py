@@ -22,8 +22,8 @@ class Images(_Settings):
     # Rollout engines by accelerator: vLLM's CPU build in kubestar's engine image, vLLM's own
     # ROCm and CUDA images on GPU nodes.
     engine_cpu: str = "kubestar-engine-cpu:0.1.0"
-    engine_rocm: str = "rocm/vllm:latest"
-    engine_cuda: str = "vllm/vllm-openai:latest"
+    engine_rocm: str = "rocm/vllm:rocm7.14.0_cdna_ubuntu24.04_py3.14_pytorch_2.11.0_vllm_0.23.0"
+    engine_cuda: str = "vllm/vllm-openai:v0.32.0"
     pull_policy: str = "IfNotPresent"
 
 
