@@ -76,8 +76,18 @@ def test_a_checkout_under_tmp_serves(checkout_under_tmp: Path, log_dir: Path, hi
 @pytest.mark.slow
 def test_an_installed_wheel_serves(log_dir: Path) -> None:
     """A non-editable install (`pip install .`, as images do), into a folder under /tmp."""
-    target = Path(tempfile.mkdtemp(prefix="kubestar-wheel-", dir="/tmp"))
+    work = Path(tempfile.mkdtemp(prefix="kubestar-wheel-", dir="/tmp"))
     try:
+        # Built from a copy: pip builds in the source tree, which must stay as it is.
+        source = work / "source"
+        shutil.copytree(
+            REPO,
+            source,
+            ignore=shutil.ignore_patterns(
+                ".git", ".venv", "build", "runs", "*.egg-info", "__pycache__", "*.so", "*_pb2*"
+            ),
+        )
+        target = work / "site"
         subprocess.run(
             [
                 sys.executable,
@@ -88,7 +98,7 @@ def test_an_installed_wheel_serves(log_dir: Path) -> None:
                 "--no-deps",
                 "--target",
                 str(target),
-                str(REPO),
+                str(source),
             ],
             check=True,
             capture_output=True,
@@ -96,4 +106,4 @@ def test_an_installed_wheel_serves(log_dir: Path) -> None:
         )
         serve_and_call(log_dir, target / "kubestar", [target])
     finally:
-        shutil.rmtree(target, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
