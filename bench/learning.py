@@ -37,10 +37,11 @@ from typing import Any
 import yaml
 from kubestar.api.v1alpha1 import RolloutFleet, SandboxPool, TrainingRun, parse_resource
 from kubestar.engine.models import resolve_model
+from kubestar.training.endpoints import Endpoints
 from kubestar.training.local import LocalStack
 from kubestar.training.progress import FileReporter
 from kubestar.training.report import read_metrics, write_report
-from kubestar.training.session import Endpoints, TrainingSession
+from kubestar.training.session import TrainingSession
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny-cpu.yaml"
@@ -217,7 +218,7 @@ def main() -> None:
         shutil.rmtree(args.run_dir, ignore_errors=True)
     model_dir = resolve_model(run["spec"]["model"]["name"])
     results: dict[str, dict[str, Any]] = {}
-    with LocalStack(pool, fleet, model_dir, args.run_dir / "logs").running() as endpoints:
+    with LocalStack.for_run(pool, fleet, model_dir, args.run_dir / "logs").running() as endpoints:
         for arm in arms:
             arm_dir = args.run_dir / arm
             arm_run = copy.deepcopy(run)

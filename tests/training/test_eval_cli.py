@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from kubestar.cli.eval import eval_metrics, format_eval
 from kubestar.cli.main import cli
 from kubestar.engine.launch import EngineProcess
+from kubestar.training.evaluation import eval_metrics, format_eval
 
 from tests.sandbox.support import ThreadedServer
 from tests.training.conftest import MAX_MODEL_LEN
@@ -144,7 +144,7 @@ def test_eval_starts_and_stops_its_own_engine_and_sandbox(
     check_results(metrics, 32)
     assert metrics["model"] == str(model)
     # It ran its own services and stopped them: their logs exist, their ports are closed.
-    assert (logs / "engine.log").exists() and (logs / "sandbox.log").exists()
+    assert (logs / "engine-0.log").exists() and (logs / "sandbox.log").exists()
     engine_port = int(str(metrics["engine"]).rsplit(":", 1)[1])
     sandbox_port = int(str(metrics["sandbox"]).rsplit(":", 1)[1])
     assert not port_open(engine_port) and not port_open(sandbox_port)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 from kubestar.cli.main import cli
-from kubestar.cli.rollout import format_stats
+from kubestar.training.evaluation import format_stats
 from kubestar.training.rollout import summarize
 from kubestar.training.trajectory import (
     ANSWERED,

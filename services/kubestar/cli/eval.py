@@ -10,138 +10,11 @@ as local processes on 127.0.0.1 and stops them (by PID) when it is done.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import click
-
-
-def eval_metrics(stats: dict[str, Any], trajectories: list[dict[str, Any]]) -> dict[str, Any]:
-    """What eval adds to the rollout stats: answered and tool-call rates, calls per problem."""
-    n = len(trajectories)
-    answered = sum(1 for t in trajectories if t.get("finish_reason") == "answered")
-    with_calls = sum(1 for t in trajectories if (t.get("num_tool_calls") or 0) > 0)
-    problems = stats.get("problems") or 0
-    return {
-        **stats,
-        "answered_rate": answered / n if n else 0.0,
-        "tool_call_rate": with_calls / n if n else 0.0,
-        "tool_calls_per_problem": stats.get("tool_calls", 0) / problems if problems else 0.0,
-    }
-
-
-def format_eval(metrics: dict[str, Any]) -> str:
-    from kubestar.cli.rollout import format_stats
-
-    n = metrics["trajectories"]
-    lines = [
-        format_stats(metrics),
-        f"answered              {metrics['answered_rate']:.3f} "
-        f"({round(metrics['answered_rate'] * n)}/{n} ended with a \\boxed{{}} answer)",
-        f"tool-call rate        {metrics['tool_call_rate']:.3f} "
-        f"(trajectories with a tool call; {metrics['tool_calls_per_problem']:.2f} calls / problem)",
-    ]
-    return "\n".join(lines)
-
-
-def _stop_process(process: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-
-
-def _tail(path: Path, chars: int = 3000) -> str:
-    try:
-        return path.read_text(errors="replace")[-chars:]
-    except OSError:
-        return ""
-
-
-@contextlib.contextmanager
-def local_services(
-    model_dir: Path | None,
-    sandbox: str | None,
-    log_dir: Path,
-    *,
-    engine_python: str = "",
-    max_model_len: int = 4096,
-    device: str = "cpu",
-    executors: int = 4,
-    preload: str = "numpy,sympy",
-    progress: bool = True,
-) -> Iterator[tuple[str | None, str]]:
-    """An engine on `model_dir` (when given) and a sandbox (when `sandbox` is None), started
-    here; yields (engine URL or None, sandbox endpoint) and stops what it started."""
-    from kubestar.common.net import free_port, wait_serving
-    from kubestar.engine.launch import EngineProcess, EngineSettings
-
-    log_dir.mkdir(parents=True, exist_ok=True)
-    engine: EngineProcess | None = None
-    sandbox_process: subprocess.Popen[bytes] | None = None
-    try:
-        if model_dir is not None:
-            settings = EngineSettings(
-                model=str(model_dir),
-                port=free_port(),
-                max_model_len=max_model_len,
-                device=device,
-                python=engine_python,
-            )
-            if progress:
-                click.echo(f"starting a vLLM engine on {model_dir} ({settings.url})", err=True)
-            engine = EngineProcess(settings, log_path=log_dir / "engine.log").start(wait=False)
-        if sandbox is None:
-            sandbox = f"127.0.0.1:{free_port()}"
-            command = [sys.executable, "-m", "kubestar.cli.main", "sandbox", "serve"]
-            command += ["--listen", sandbox, "--executors", str(executors)]
-            command += ["--preload", preload, "--log-level", "warning"]
-            log = open(log_dir / "sandbox.log", "ab")  # noqa: SIM115 - closed once started
-            sandbox_process = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            log.close()
-            if progress:
-                click.echo(f"starting a sandbox server ({sandbox})", err=True)
-        if engine is not None:
-            try:
-                engine.wait_ready(timeout=900)
-            except (RuntimeError, TimeoutError) as exc:
-                raise click.ClickException(f"{exc}\n{_tail(log_dir / 'engine.log')}") from exc
-        if sandbox_process is not None:
-            try:
-                wait_serving(
-                    sandbox,
-                    sandbox_process,
-                    what="the sandbox",
-                    timeout=300,
-                    log=log_dir / "sandbox.log",
-                )
-            except (RuntimeError, TimeoutError) as exc:
-                raise click.ClickException(f"{exc}\n{_tail(log_dir / 'sandbox.log')}") from exc
-        yield (engine.url if engine is not None else None), sandbox
-    finally:
-        if engine is not None:
-            engine.stop()
-        if sandbox_process is not None:
-            _stop_process(sandbox_process)
 
 
 @click.command("eval")
@@ -259,46 +132,78 @@ def evaluate(
     if not problems:
         raise click.UsageError(f"{problems_spec}: no problems")
 
-    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="kubestar-eval-"))
-    context_length = max_model_len or max_response_tokens + 1024
-    from kubestar.cli.rollout import run_rollouts
+    from kubestar.common.net import free_port
+    from kubestar.engine.launch import EngineSettings
+    from kubestar.training.evaluation import (
+        TokenizerNotFound,
+        eval_metrics,
+        format_eval,
+        run_rollouts,
+        write_trajectories,
+    )
+    from kubestar.training.local import LocalSandbox, LocalStack, ServiceFailed
 
-    with local_services(
-        model_dir if not engine_url else None,
-        sandbox,
-        logs,
-        engine_python=engine_python,
-        max_model_len=context_length,
-        device=device,
-        executors=sandbox_executors,
-        preload=sandbox_preload,
-        progress=not no_progress,
-    ) as (local_engine, sandbox_endpoint):
-        url = engine_url or local_engine
-        assert url is not None
-        stats, trajectories = asyncio.run(
-            run_rollouts(
-                engine_url=url,
-                scheduler=None,
-                sandbox=sandbox_endpoint,
-                problems=problems,
-                samples=samples,
-                max_turns=max_turns,
-                max_response_tokens=max_response_tokens,
-                max_context=0,
-                model=str(model_dir) if model_dir else "",
-                temperature=temperature,
-                top_p=top_p,
-                top_k=0,
-                sampling_seed=sampling_seed,
-                tool_timeout=tool_timeout,
-                concurrency=1024,
-                sandbox_mode="stream",
-                request_timeout=request_timeout,
-                verify_workers=2,
-                progress=not no_progress,
+    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="kubestar-eval-"))
+    local_engines: list[EngineSettings] = []
+    if not engine_url:
+        assert model_dir is not None
+        local_engines.append(
+            EngineSettings(
+                model=str(model_dir),
+                port=free_port(),
+                max_model_len=max_model_len or max_response_tokens + 1024,
+                device=device,
+                python=engine_python,
             )
         )
+    local_sandbox = None
+    if not sandbox:
+        preload = tuple(name for name in sandbox_preload.split(",") if name)
+        local_sandbox = LocalSandbox(sandbox_executors, preload, log_level="warning")
+    # A GPU engine may take long to load a big model.
+    stack = LocalStack(
+        logs,
+        sandbox=local_sandbox,
+        engines=local_engines,
+        engine_timeout=900.0,
+        sandbox_timeout=300.0,
+    )
+    if not no_progress:
+        for engine in local_engines:
+            click.echo(f"starting a vLLM engine on {model_dir} ({engine.url})", err=True)
+        if local_sandbox is not None:
+            click.echo(f"starting a sandbox server (logs in {logs})", err=True)
+    try:
+        with stack.running() as started:
+            url = engine_url or stack.engines[0].url
+            sandbox_endpoint = sandbox or started.sandbox
+            stats, trajectories = asyncio.run(
+                run_rollouts(
+                    engine_url=url,
+                    scheduler=None,
+                    sandbox=sandbox_endpoint,
+                    problems=problems,
+                    samples=samples,
+                    max_turns=max_turns,
+                    max_response_tokens=max_response_tokens,
+                    max_context=0,
+                    model=str(model_dir) if model_dir else "",
+                    temperature=temperature,
+                    top_p=top_p,
+                    top_k=0,
+                    sampling_seed=sampling_seed,
+                    tool_timeout=tool_timeout,
+                    concurrency=1024,
+                    sandbox_mode="stream",
+                    request_timeout=request_timeout,
+                    verify_workers=2,
+                    progress=not no_progress,
+                )
+            )
+    except ServiceFailed as exc:
+        raise click.ClickException(str(exc)) from exc
+    except TokenizerNotFound as exc:
+        raise click.UsageError(str(exc)) from exc
     metrics = eval_metrics(stats, trajectories)
     metrics["model"] = str(model_dir) if model_dir else ""
     metrics["engine"] = url
@@ -306,9 +211,7 @@ def evaluate(
     metrics["problems_source"] = problems_spec
     metrics["temperature"] = temperature
     if output:
-        with open(output, "w") as handle:
-            for trajectory in trajectories:
-                handle.write(json.dumps(trajectory, default=str) + "\n")
+        write_trajectories(output, trajectories)
     if as_json:
         click.echo(json.dumps(metrics, indent=2))
     else:

@@ -121,7 +121,9 @@ def train(
         bar.n = step
         bar.refresh()
 
-    stack = LocalStack(pool, fleet, model_dir, directory / "logs", engine_python=engine_python)
+    stack = LocalStack.for_run(
+        pool, fleet, model_dir, directory / "logs", engine_python=engine_python
+    )
     click.echo(
         f"starting sandbox, {max(fleet.spec.replicas, 1)} engine(s) and the scheduler "
         f"(logs in {directory / 'logs'})",
@@ -147,7 +149,8 @@ def _train_in_cluster(run: TrainingRun, directory: Path) -> None:
     """The trainer pod: endpoints and checkpoint place from the operator, status to the API."""
     from kubestar.engine.models import resolve_model
     from kubestar.operator.contract import StatusPatcher, TrainerEnvironment
-    from kubestar.training.session import Endpoints, TrainingSession
+    from kubestar.training.endpoints import Endpoints
+    from kubestar.training.session import TrainingSession
 
     env = TrainerEnvironment.from_env()
     if env.checkpoint_dir:

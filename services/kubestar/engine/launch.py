@@ -24,6 +24,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -217,3 +218,43 @@ class EngineProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def log_tail(path: Path | None, chars: int = 3000) -> str:
+    """The end of a log file ("" when there is none or it cannot be read)."""
+    if path is None:
+        return ""
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+@contextlib.contextmanager
+def running_engines(
+    settings: Sequence[EngineSettings], log_dir: Path, timeout: float = 300.0
+) -> Iterator[list[EngineProcess]]:
+    """Engines started side by side (engine I logs to `log_dir/engine-I.log`), ready when
+    yielded and stopped (by process group) when the block ends. An engine that does not
+    come up raises RuntimeError with the end of its log."""
+    with contextlib.ExitStack() as stack:
+        engines: list[EngineProcess] = []
+        for index, one in enumerate(settings):
+            engine = EngineProcess(one, log_path=log_dir / f"engine-{index}.log")
+            stack.callback(engine.stop)
+            engines.append(engine.start(wait=False))
+        for engine in engines:
+            try:
+                engine.wait_ready(timeout)
+            except (RuntimeError, TimeoutError) as error:
+                raise RuntimeError(f"{error}\n{log_tail(engine.log_path)}") from None
+        yield engines
+
+
+def one_cpu_each(count: int) -> list[str]:
+    """A CPU of its own for each of `count` engines (`EngineSettings.cpus`), from the CPUs
+    this process may use; "" each (no pinning) when there are fewer than `count`."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < count:
+        return [""] * count
+    return [str(cpu) for cpu in allowed[:count]]

@@ -1,9 +1,10 @@
-"""The services of a TrainingRun as local processes: what `kubestar train -f` runs on one machine.
+"""kubestar's services as local processes: what `kubestar train -f` and `kubestar eval` start.
 
-The same manifests a cluster takes (SandboxPool, RolloutFleet, TrainingRun) become: one
-sandbox server (`kubestar sandbox serve`, worker and dispatcher in one process), the fleet's
-vLLM engines (`EngineProcess`), and the rollout scheduler in front of them. Everything binds
-to 127.0.0.1 on free ports and is stopped by PID when the run ends.
+The same manifests a cluster takes (SandboxPool, RolloutFleet, TrainingRun) become
+(`LocalStack.for_run`): one sandbox server (`kubestar sandbox serve`, worker and dispatcher
+in one process), the fleet's vLLM engines (`kubestar.engine.launch`), and the rollout
+scheduler in front of them. `kubestar eval` starts only the engine and the sandbox it is not
+given. Everything binds to 127.0.0.1 on free ports and is stopped by PID when the run ends.
 """
 
 from __future__ import annotations
@@ -13,124 +14,170 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from kubestar.api.v1alpha1 import RolloutFleet, SandboxPool
 from kubestar.common.net import free_port, wait_serving
-from kubestar.engine.launch import EngineProcess, EngineSettings, die_with_parent
-from kubestar.training.session import Endpoints
+from kubestar.engine.launch import (
+    EngineProcess,
+    EngineSettings,
+    die_with_parent,
+    log_tail,
+    running_engines,
+)
+from kubestar.training.endpoints import Endpoints
+
+
+class ServiceFailed(RuntimeError):
+    """A local service did not come up; the message ends with the end of its log."""
+
+
+@dataclass(frozen=True)
+class LocalSandbox:
+    """A sandbox server: its executors, the modules they import once, and its options."""
+
+    executors: int
+    preload: tuple[str, ...]
+    # None and "": the server's own defaults.
+    queue_timeout_seconds: float | None = None
+    log_level: str = ""
+
+    def serve_args(self, listen: str) -> list[str]:
+        args = ["sandbox", "serve", "--listen", listen, "--executors", str(self.executors)]
+        args += ["--preload", ",".join(self.preload)]
+        if self.queue_timeout_seconds is not None:
+            args += ["--queue-timeout", str(self.queue_timeout_seconds)]
+        if self.log_level:
+            args += ["--log-level", self.log_level]
+        return args
+
+
+@dataclass(frozen=True)
+class LocalScheduler:
+    """A rollout scheduler in front of every engine of the stack."""
+
+    policy: str
+    poll_interval: float
+    segment_tokens: int
+
+    def serve_args(self, listen: str, engine_urls: Sequence[str]) -> list[str]:
+        args = ["scheduler", "serve", "--listen", listen, "--policy", self.policy]
+        args += ["--poll-interval", str(self.poll_interval)]
+        args += ["--segment-tokens", str(self.segment_tokens)]
+        for index, url in enumerate(engine_urls):
+            args += ["--engine", f"e{index}={url}"]
+        return args
 
 
 class LocalStack:
-    """Sandbox, engines and scheduler for one run; a context manager that stops them all."""
+    """A sandbox, engines and a scheduler (each optional) as processes of this machine; a
+    context manager (`running`) that stops them all."""
 
     def __init__(
         self,
+        log_dir: Path,
+        *,
+        sandbox: LocalSandbox | None = None,
+        engines: Sequence[EngineSettings] = (),
+        scheduler: LocalScheduler | None = None,
+        engine_timeout: float = 300.0,
+        sandbox_timeout: float = 180.0,
+    ) -> None:
+        if scheduler is not None and not engines:
+            raise ValueError("a local scheduler needs at least one engine")
+        self.log_dir = log_dir
+        self.sandbox = sandbox
+        self.engine_settings = list(engines)
+        self.scheduler = scheduler
+        self.engine_timeout = engine_timeout
+        self.sandbox_timeout = sandbox_timeout
+        self.engines: list[EngineProcess] = []
+        self._processes: list[subprocess.Popen[bytes]] = []
+        self._stack = contextlib.ExitStack()
+
+    @classmethod
+    def for_run(
+        cls,
         pool: SandboxPool,
         fleet: RolloutFleet,
         model_dir: Path,
         log_dir: Path,
         engine_python: str = "",
-    ) -> None:
-        self.pool = pool
-        self.fleet = fleet
-        self.model_dir = model_dir
-        self.log_dir = log_dir
-        self.engine_python = engine_python
-        self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
-        self.engines: list[EngineProcess] = []
-
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - lives with the process
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kubestar.cli.main", *args],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=die_with_parent,
+    ) -> LocalStack:
+        """What a TrainingRun's SandboxPool and RolloutFleet describe, on CPU."""
+        pool_spec, fleet_spec = pool.spec, fleet.spec
+        engine = fleet_spec.engine
+        return cls(
+            log_dir,
+            sandbox=LocalSandbox(
+                executors=pool_spec.executors_per_pod * max(pool_spec.replicas, 1),
+                preload=tuple(pool_spec.preload),
+                queue_timeout_seconds=pool_spec.queue_timeout_seconds,
+            ),
+            engines=[
+                EngineSettings(
+                    model=str(model_dir),
+                    port=free_port(),
+                    max_model_len=engine.max_model_len,
+                    kv_cache_bytes=engine.kv_cache_bytes,
+                    max_num_seqs=engine.max_num_seqs,
+                    device="cpu",
+                    extra_args=list(engine.extra_args),
+                    python=engine_python,
+                )
+                for _ in range(max(fleet_spec.replicas, 1))
+            ],
+            scheduler=LocalScheduler(
+                policy=fleet_spec.scheduler.policy,
+                poll_interval=fleet_spec.scheduler.metrics_interval_seconds,
+                segment_tokens=fleet_spec.scheduler.segment_tokens,
+            ),
         )
-        self.processes.append((name, process))
-        return process
 
     def start(self) -> Endpoints:
+        """Start everything and wait until it serves; "" for a service the stack has none of.
+        Raises ServiceFailed when one does not come up."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        pool = self.pool.spec
-        sandbox = f"127.0.0.1:{free_port()}"
-        sandbox_process = self._spawn(
-            "sandbox",
-            [
-                "sandbox",
-                "serve",
-                "--listen",
-                sandbox,
-                "--executors",
-                str(pool.executors_per_pod * max(pool.replicas, 1)),
-                "--preload",
-                ",".join(pool.preload),
-                "--queue-timeout",
-                str(pool.queue_timeout_seconds),
-            ],
-        )
-        fleet = self.fleet.spec
-        for index in range(max(fleet.replicas, 1)):
-            settings = EngineSettings(
-                model=str(self.model_dir),
-                port=free_port(),
-                max_model_len=fleet.engine.max_model_len,
-                kv_cache_bytes=fleet.engine.kv_cache_bytes,
-                max_num_seqs=fleet.engine.max_num_seqs,
-                device="cpu",
-                extra_args=list(fleet.engine.extra_args),
-                python=self.engine_python,
-            )
-            engine = EngineProcess(settings, log_path=self.log_dir / f"engine-{index}.log")
-            self.engines.append(engine.start(wait=False))
-        for engine in self.engines:
-            engine.wait_ready()
-        wait_serving(sandbox, sandbox_process, what="sandbox", log=self.log_dir / "sandbox.log")
-        scheduler = f"127.0.0.1:{free_port()}"
-        engine_args = [
-            arg
-            for i, engine in enumerate(self.engines)
-            for arg in ("--engine", f"e{i}={engine.url}")
-        ]
-        scheduler_process = self._spawn(
-            "scheduler",
-            [
-                "scheduler",
-                "serve",
-                "--listen",
-                scheduler,
-                "--policy",
-                fleet.scheduler.policy,
-                "--poll-interval",
-                str(fleet.scheduler.metrics_interval_seconds),
-                "--segment-tokens",
-                str(fleet.scheduler.segment_tokens),
-                *engine_args,
-            ],
-        )
-        wait_serving(
-            scheduler, scheduler_process, what="scheduler", log=self.log_dir / "scheduler.log"
-        )
+        sandbox = ""
+        sandbox_process: subprocess.Popen[bytes] | None = None
+        if self.sandbox is not None:
+            sandbox = f"127.0.0.1:{free_port()}"
+            # Started first: its executors come up while the engines load.
+            sandbox_process = self._spawn("sandbox", self.sandbox.serve_args(sandbox))
+        if self.engine_settings:
+            try:
+                self.engines = self._stack.enter_context(
+                    running_engines(self.engine_settings, self.log_dir, self.engine_timeout)
+                )
+            except RuntimeError as error:
+                raise ServiceFailed(str(error)) from None
+        if sandbox_process is not None:
+            self._wait_serving("sandbox", sandbox, sandbox_process, self.sandbox_timeout)
+        scheduler = ""
+        if self.scheduler is not None:
+            scheduler = f"127.0.0.1:{free_port()}"
+            engine_urls = [engine.url for engine in self.engines]
+            process = self._spawn("scheduler", self.scheduler.serve_args(scheduler, engine_urls))
+            self._wait_serving("scheduler", scheduler, process, 180.0)
         return Endpoints(scheduler=scheduler, sandbox=sandbox)
 
     def stop(self) -> None:
-        for _, process in reversed(self.processes):
+        for process in reversed(self._processes):
             if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-        for _, process in reversed(self.processes):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGTERM)
+        for process in reversed(self._processes):
             try:
                 process.wait(timeout=20)
             except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
-        for engine in self.engines:
-            engine.stop()
-        self.processes.clear()
-        self.engines.clear()
+        self._stack.close()
+        self._processes.clear()
+        self.engines = []
 
     @contextlib.contextmanager
     def running(self) -> Iterator[Endpoints]:
@@ -138,3 +185,25 @@ class LocalStack:
             yield self.start()
         finally:
             self.stop()
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        with open(self.log_dir / f"{name}.log", "ab") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "kubestar.cli.main", *args],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
+        self._processes.append(process)
+        return process
+
+    def _wait_serving(
+        self, name: str, endpoint: str, process: subprocess.Popen[bytes], timeout: float
+    ) -> None:
+        log = self.log_dir / f"{name}.log"
+        try:
+            wait_serving(endpoint, process, what=name, timeout=timeout, log=log)
+        except (RuntimeError, TimeoutError) as error:
+            raise ServiceFailed(f"{error}\n{log_tail(log)}") from None
