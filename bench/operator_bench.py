@@ -35,9 +35,11 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+# Run as a script (python bench/operator_bench.py): the repository's e2e package is not
+# installed, so make the checkout importable.
 sys.path.insert(0, str(ROOT))
 
-from tests.operator.cluster import (  # noqa: E402
+from e2e.local_cluster import (  # noqa: E402
     Api,
     FakeKubelet,
     LocalCluster,

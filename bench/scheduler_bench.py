@@ -59,7 +59,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kubestar.common.net import free_port
 from kubestar.engine.client import EngineClient
+from kubestar.engine.launch import (
+    EngineSettings,
+    engine_python,
+    one_cpu_each,
+    running_engines,
+    vllm_missing,
+)
+from kubestar.engine.models import resolve_model
 from kubestar.scheduler.core import (
     DEFAULT_STARVATION_SECONDS,
     KV_AWARE,
@@ -70,19 +79,11 @@ from kubestar.scheduler.core import (
 from kubestar.scheduler.scheduler import Scheduler, SchedulerConfig
 from kubestar.v1 import rollout_pb2 as pb
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from tests.scheduler.engines import (  # noqa: E402
-    one_cpu_each,
-    running_engines,
-    tiny_model,
-    vllm_missing,
-)
-
 POLICY_ORDER = (ROUND_ROBIN, LEAST_REQUESTS, KV_AWARE)
-MAX_CONTEXT = 1000  # engines run with max_model_len 1024
+# A tiny random Llama with SmolLM2's tokenizer; head_dim 64, which vLLM's CPU attention supports.
+MODEL = "tiny-random-llama-h256-l2-s0"
+MAX_MODEL_LEN = 1024
+MAX_CONTEXT = 1000  # prompt + new tokens of one turn, within MAX_MODEL_LEN
 DEFAULT_CALIBRATION = "bench/scheduler_calibration.json"
 
 
@@ -460,6 +461,19 @@ def write_json(path: str, data: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 
+def engine_settings(model: Path, blocks: int, cpus: str) -> EngineSettings:
+    """An engine with `blocks` KV blocks of 128 tokens, so that capacity binds."""
+    return EngineSettings(
+        model=str(model),
+        port=free_port(),
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=32,
+        python=engine_python(),
+        extra_args=["--num-gpu-blocks-override", str(blocks)],
+        cpus=cpus,
+    )
+
+
 async def main_async(args: argparse.Namespace) -> int:
     reason = vllm_missing()
     if reason:
@@ -473,11 +487,12 @@ async def main_async(args: argparse.Namespace) -> int:
         f"{lengths[len(lengths) // 2]}, p90 {lengths[int(0.9 * (len(lengths) - 1))]}, "
         f"max {lengths[-1]}; engines: 2 x {args.blocks} blocks of 128 tokens"
     )
-    model = tiny_model()
+    model = resolve_model(MODEL)
     with tempfile.TemporaryDirectory() as logs, contextlib.ExitStack() as stack:
         started = time.monotonic()
         cpus = one_cpu_each(2) if args.pin else ["", ""]
-        with running_engines(2, Path(logs), model, blocks=args.blocks, cpus=cpus) as engines:
+        fleet = [engine_settings(model, args.blocks, cpu) for cpu in cpus]
+        with running_engines(fleet, Path(logs)) as engines:
             pinning = ", ".join(f"e{i} on CPU {c}" for i, c in enumerate(cpus) if c)
             print(
                 f"engines ready in {time.monotonic() - started:.0f}s"

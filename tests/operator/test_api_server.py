@@ -11,7 +11,7 @@ import pytest
 import yaml
 from kubestar.api import v1alpha1 as api
 
-from tests.operator.cluster import LocalCluster, kubestar, wait_for
+from e2e.local_cluster import LocalCluster, kubestar, wait_for
 from tests.operator.support import CHART, EXAMPLES
 
 RUN = """

@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from tests.operator.cluster import (
+from e2e.local_cluster import (
     FakeKubelet,
     LocalCluster,
     OperatorProcess,

@@ -7,7 +7,7 @@ import signal
 import time
 from typing import Any
 
-from tests.operator.cluster import (
+from e2e.local_cluster import (
     FakeKubelet,
     LocalCluster,
     OperatorProcess,

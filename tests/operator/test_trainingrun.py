@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 from kubestar.api.v1alpha1 import TrainingMetrics, TrainingRunStatus
-from kubestar.operator.contract import StatusPatcher
+from kubestar.common.kube import Connection
+from kubestar.training.progress import StatusPatcher
 
-from tests.operator.cluster import (
+from e2e.local_cluster import (
     FakeKubelet,
     LocalCluster,
     OperatorProcess,
@@ -99,9 +100,8 @@ def test_run_lifecycle_to_success(
 
     # The trainer reports with its own service account's token.
     token = cluster.service_account_token(namespace, "tiny-cpu-trainer")
-    patcher = StatusPatcher(
-        "tiny-cpu", namespace, server=cluster.server, token=token, ca_file=cluster.ca_file
-    )
+    credentials = Connection(server=cluster.server, token=token, ca_file=cluster.ca_file)
+    patcher = StatusPatcher("tiny-cpu", namespace, credentials)
     (trainer_pod,) = kubelet.make_ready(namespace, f"{INSTANCE}=tiny-cpu,{COMPONENT}=trainer")
     wait_condition(cluster, path, "TrainerReady", "True", "Running")
     patcher.patch({"status": {"phase": "SFT"}})
@@ -130,10 +130,8 @@ def test_run_lifecycle_to_success(
     other = example("TrainingRun", "other")
     api.create(kubestar(namespace, "trainingruns"), other)
     with pytest.raises(Exception, match="403"):
-        StatusPatcher(
-            "other", namespace, server=cluster.server, token=token, ca_file=cluster.ca_file
-        ).patch({"status": {"phase": "Failed"}})
-    from tests.operator.cluster import Api, ApiError
+        StatusPatcher("other", namespace, credentials).patch({"status": {"phase": "Failed"}})
+    from e2e.local_cluster import Api, ApiError
 
     trainer_api = Api(cluster.server, token, cluster.ca_file)
     with pytest.raises(ApiError) as denied:

@@ -11,12 +11,12 @@ EngineSettings.environment() always sets), so it cannot make the cache small.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 
 from kubestar.common.net import free_port
+from kubestar.engine import launch
 from kubestar.engine.launch import EngineProcess, EngineSettings
 
 from tests.real_parts import engine_python, tiny_model
@@ -40,14 +40,6 @@ def settings(
     )
 
 
-def one_cpu_each(count: int) -> list[str]:
-    """A CPU of its own for each of `count` engines ("" each when there are too few)."""
-    allowed = sorted(os.sched_getaffinity(0))
-    if len(allowed) < count:
-        return [""] * count
-    return [str(cpu) for cpu in allowed[:count]]
-
-
 @contextmanager
 def running_engines(
     count: int,
@@ -59,19 +51,6 @@ def running_engines(
     """`count` engines started side by side; stopped (by process group) afterwards.
     `cpus[i]`: the CPUs engine i is confined to (EngineSettings.cpus; default: all)."""
     model = model or tiny_model()
-    with ExitStack() as stack:
-        engines = []
-        for i in range(count):
-            engine = EngineProcess(
-                settings(model, blocks, cpus=cpus[i] if i < len(cpus) else ""),
-                log_path=log_dir / f"engine-{i}.log",
-            )
-            stack.callback(engine.stop)
-            engines.append(engine.start(wait=False))
-        for engine in engines:
-            try:
-                engine.wait_ready(timeout=300)
-            except (RuntimeError, TimeoutError) as error:
-                log = engine.log_path.read_text(errors="replace")[-3000:] if engine.log_path else ""
-                raise RuntimeError(f"{error}\n{log}") from None
-        yield engines
+    engines = [settings(model, blocks, cpus=cpus[i] if i < len(cpus) else "") for i in range(count)]
+    with launch.running_engines(engines, log_dir) as started:
+        yield started

@@ -7,9 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from kubestar.engine.launch import EngineSettings, parse_cpu_list
-
-from tests.scheduler.engines import one_cpu_each
+from kubestar.engine.launch import EngineSettings, one_cpu_each, parse_cpu_list
 
 
 def test_cpu_lists_use_linux_syntax() -> None:

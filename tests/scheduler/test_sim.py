@@ -1,13 +1,12 @@
-"""The rollout simulator (bench/rollout_sim.py): fast, small fleets."""
+"""The rollout simulator (kubestar.scheduler.simulator): fast, small fleets."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 import pytest
+from kubestar.scheduler import simulator as sim
 from kubestar.scheduler.core import KV_AWARE, ROUND_ROBIN
-
-from bench import rollout_sim as sim
 
 # 4 engines of 4k KV tokens and 96 trajectories: capacity binds, runs in well under a second.
 SMALL = sim.SimConfig(

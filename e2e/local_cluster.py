@@ -1,4 +1,6 @@
-"""A real local control plane for the operator tests (e2e/local), and small clients for it.
+"""A real local control plane (e2e/local) driven from Python, and small clients for it: what
+the operator tests (tests/operator) and the operator benchmark (bench/operator_bench.py) run
+against.
 
 `LocalCluster.start()` builds the binaries if needed (e2e/local/install.sh: minutes, once per
 machine; cached under ~/.cache/kubestar) and starts etcd, kube-apiserver and
@@ -29,9 +31,9 @@ from typing import Any, TypeVar
 import yaml
 from kubestar.common.net import free_port
 
-from tests.operator.support import CHART, ROOT
-
 T = TypeVar("T")
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "helm" / "kubestar"
 E2E = ROOT / "e2e" / "local"
 INSTALL_TIMEOUT = float(os.environ.get("KUBESTAR_K8S_INSTALL_TIMEOUT", "2400"))
 
