@@ -7,13 +7,14 @@ from typing import Any
 
 import pytest
 import yaml
+from kubestar.api import trainer_contract
 from kubestar.api.v1alpha1 import (
     RolloutFleetSpec,
     SandboxPoolSpec,
     TrainingRunSpec,
     load_manifests,
 )
-from kubestar.operator import build_fleet, build_sandbox, build_trainer, contract
+from kubestar.operator import build_fleet, build_sandbox, build_trainer
 from kubestar.operator import objects as o
 from kubestar.operator.settings import OperatorSettings
 
@@ -219,7 +220,7 @@ def test_trainer_job_follows_the_contract() -> None:
         "--in-cluster",
     ]
     env = {e["name"]: e["value"] for e in trainer["env"]}
-    parsed = contract.TrainerEnvironment.from_env(env)
+    parsed = trainer_contract.TrainerEnvironment.from_env(env)
     assert parsed.name == "tiny-cpu" and parsed.namespace == "team"
     assert parsed.scheduler_endpoint == "tiny-fleet-scheduler.team.svc.cluster.local:50061"
     assert parsed.sandbox_endpoint == "tiny-sandbox-sandbox.team.svc.cluster.local:50051"
@@ -256,7 +257,7 @@ def test_several_workers_make_a_ray_job() -> None:
     assert cluster["workerGroupSpecs"][0]["replicas"] == 3
     head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e["value"] for e in head["env"]}
-    assert env[contract.ENV_RAY_ADDRESS] == "auto"
+    assert env[trainer_contract.ENV_RAY_ADDRESS] == "auto"
     assert ray_job["spec"]["entrypoint"].startswith("kubestar train -f")
 
 
@@ -280,11 +281,11 @@ def test_trainer_patch_carries_only_trainer_fields() -> None:
         metrics=TrainingMetrics(reward=0.5),
         conditions=[],
     )
-    body = contract.trainer_patch(status)["status"]
+    body = trainer_contract.trainer_patch(status)["status"]
     assert body["phase"] == "Training" and body["step"] == 3 and body["totalSteps"] == 10
     assert body["metrics"]["reward"] == 0.5
     assert "conditions" not in body and "observedGeneration" not in body
-    pending = contract.trainer_patch(TrainingRunStatus(phase="Pending"))["status"]
+    pending = trainer_contract.trainer_patch(TrainingRunStatus(phase="Pending"))["status"]
     assert "phase" not in pending
 
 
@@ -349,7 +350,9 @@ def test_shared_checkpoints_reach_the_engines() -> None:
     (trainer,) = pod["containers"]
     mounts = {m["name"]: m for m in trainer["volumeMounts"]}
     assert mounts["checkpoints"]["mountPath"] == "/var/lib/kubestar/checkpoints"
-    env = contract.TrainerEnvironment.from_env({e["name"]: e["value"] for e in trainer["env"]})
+    env = trainer_contract.TrainerEnvironment.from_env(
+        {e["name"]: e["value"] for e in trainer["env"]}
+    )
     # A folder per run on the shared volume, below the path the engines mount it at.
     assert env.checkpoint_dir == "/var/lib/kubestar/checkpoints/team/tiny-cpu"
     engine_pod = build_fleet.engine_deployment(fleet, fleet_spec, settings)["spec"]["template"][

@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 from typing import Any
 
-from kubestar.api import conditions
+from kubestar.api import conditions, trainer_contract
 from kubestar.api.conditions import (
     TERMINAL_PHASES,
     TRAINER_PHASES,
@@ -22,7 +22,7 @@ from kubestar.api.v1alpha1 import (
     TrainingRunStatus,
 )
 from kubestar.operator import conditions as cond
-from kubestar.operator import contract, rolloutfleet, sandboxpool
+from kubestar.operator import rolloutfleet, sandboxpool
 from kubestar.operator import trainingrun as tr
 from kubestar.operator.rolloutfleet import fleet_status
 from kubestar.operator.sandboxpool import pool_status
@@ -323,7 +323,7 @@ def test_phases_are_owned_by_the_operator_or_the_trainer() -> None:
     assert TERMINAL_PHASES <= TRAINER_PHASES
     # The trainer's status patches carry its own phases only.
     for phase in Phase:
-        patch = contract.trainer_patch(TrainingRunStatus(phase=phase))["status"]
+        patch = trainer_contract.trainer_patch(TrainingRunStatus(phase=phase))["status"]
         assert ("phase" in patch) == (phase in TRAINER_PHASES), phase
 
 
@@ -336,7 +336,7 @@ def test_the_trainer_reports_phases_as_the_operator_reads_conditions() -> None:
     (progressing,) = status.conditions
     assert (progressing.status, progressing.reason) == ("False", "TrainerError")
     assert progressing.last_transition_time
-    assert contract.trainer_patch(status)["status"]["phase"] == "Failed"
+    assert trainer_contract.trainer_patch(status)["status"]["phase"] == "Failed"
     merged = cond.merge([], status.conditions, "t1")
     assert cond.find(merged, ConditionType.PROGRESSING) == {
         "type": "Progressing",

@@ -1,8 +1,7 @@
-"""Operator settings, kubeconfig parsing and lease expiry (pure)."""
+"""Operator settings, kopf's login and lease expiry (pure)."""
 
 from __future__ import annotations
 
-import base64
 import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -10,8 +9,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-from kubestar.operator import kube
+from kubestar.common import kube
 from kubestar.operator.leader import MICRO, expired
+from kubestar.operator.main import kopf_login
 from kubestar.operator.settings import OperatorSettings
 from pydantic import ValidationError
 
@@ -42,45 +42,16 @@ def test_settings_from_the_chart_shape(tmp_path: Path) -> None:
         OperatorSettings.model_validate({"imagez": {}})
 
 
-def test_kubeconfig_with_inline_data_and_token(tmp_path: Path) -> None:
-    ca = base64.b64encode(b"-----BEGIN CERTIFICATE-----\n").decode()
-    path = tmp_path / "config"
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "clusters": [
-                    {
-                        "name": "c",
-                        "cluster": {
-                            "server": "https://127.0.0.1:6443",
-                            "certificate-authority-data": ca,
-                        },
-                    }
-                ],
-                "users": [{"name": "u", "user": {"token": "secret"}}],
-                "contexts": [
-                    {"name": "x", "context": {"cluster": "c", "user": "u", "namespace": "ns"}}
-                ],
-                "current-context": "x",
-            }
-        )
+def test_kopf_logs_in_with_the_operator_clients_credentials(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("rotated\n")
+    connection = kube.Connection(
+        server="https://127.0.0.1:6443", token_file=str(token_file), ca_file="/ca.crt"
     )
-    connection = kube.from_kubeconfig(path)
-    assert connection.server == "https://127.0.0.1:6443"
-    assert connection.bearer() == "secret" and connection.namespace == "ns"
-    assert Path(connection.ca_file).read_bytes().startswith(b"-----BEGIN")
-    info = connection.to_kopf()
-    assert info.token == "secret" and info.ca_path == connection.ca_file
-
-
-def test_api_paths() -> None:
-    assert kube.path("apps/v1", "Deployment", "ns", "d") == (
-        "/apis/apps/v1/namespaces/ns/deployments/d"
-    )
-    assert kube.path("v1", "Pod", "ns") == "/api/v1/namespaces/ns/pods"
-    assert kube.path("kubestar.dev/v1alpha1", "TrainingRun", "ns", "r", "status") == (
-        "/apis/kubestar.dev/v1alpha1/namespaces/ns/trainingruns/r/status"
-    )
+    info = kopf_login(connection)
+    assert info.server == "https://127.0.0.1:6443" and info.ca_path == "/ca.crt"
+    assert info.scheme == "Bearer" and info.token == "rotated"
+    assert info.default_namespace == "default" and info.insecure is None
 
 
 def test_lease_expiry() -> None:

@@ -1,7 +1,7 @@
 """Children of a TrainingRun (pure): the run's config (a ConfigMap with run.yaml), a service
 account with a Role that may only read its own TrainingRun and patch that run's status, and
 the trainer workload: a Job with one pod (local Ray) or, with several workers, a KubeRay
-RayJob. See kubestar.operator.contract for what the trainer receives."""
+RayJob. See kubestar.api.trainer_contract for what the trainer receives."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import yaml
+from kubestar.api import trainer_contract as c
 from kubestar.api.v1alpha1 import (
     API_VERSION,
     GROUP,
@@ -18,7 +19,6 @@ from kubestar.api.v1alpha1 import (
     TrainingRunSpec,
 )
 from kubestar.operator import build_fleet, build_sandbox
-from kubestar.operator import contract as c
 from kubestar.operator import objects as o
 from kubestar.operator.settings import OperatorSettings
 

@@ -13,7 +13,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from kubestar.operator import kube as k
+from kubestar.common import kube as k
 from kubestar.operator import metrics
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from typing import Any
 
 import kopf
 from kubestar.api.v1alpha1 import API_VERSION, GROUP, VERSION
-from kubestar.operator import kube as k
+from kubestar.common import kube as k
 from kubestar.operator import metrics, rolloutfleet, sandboxpool, trainingrun
 from kubestar.operator import objects as o
 from kubestar.operator.reconciler import Context, Key, Reconcile, WorkQueue, no_probe
@@ -58,6 +58,21 @@ MANAGED_SELECTOR = f"{o.LABEL_MANAGED_BY}={o.MANAGED_BY}"
 # Children's events (and a fleet's or pool's for its runs) wait this long, so that a burst
 # of them makes one reconcile; a resource's own events are handled at once.
 CHILD_DELAY = 0.2
+
+
+def kopf_login(connection: k.Connection) -> kopf.ConnectionInfo:
+    """kopf's watches log in with the credentials of the operator's own client."""
+    token = connection.bearer()
+    return kopf.ConnectionInfo(
+        server=connection.server,
+        ca_path=connection.ca_file or None,
+        insecure=connection.insecure or None,
+        scheme="Bearer" if token else None,
+        token=token or None,
+        certificate_path=connection.cert_file or None,
+        private_key_path=connection.key_file or None,
+        default_namespace=connection.namespace,
+    )
 
 
 async def scheduler_probe(endpoint: str) -> dict[str, tuple[int, float]] | None:
@@ -184,7 +199,7 @@ class Runtime:
 
         @kopf.on.login(registry=registry)
         def login(**_: Any) -> kopf.ConnectionInfo:
-            return runtime.connection.to_kopf()
+            return kopf_login(runtime.connection)
 
         def parent(kind: str) -> None:
             @kopf.on.event(GROUP, VERSION, PLURALS[kind], registry=registry, id=kind.lower())

@@ -18,8 +18,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kubestar.api.conditions import Condition, ConditionStatus
+from kubestar.common import kube as k
 from kubestar.operator import conditions as cond
-from kubestar.operator import kube as k
 from kubestar.operator import metrics
 from kubestar.operator import objects as o
 from kubestar.operator.settings import OperatorSettings

@@ -12,9 +12,9 @@ from typing import Any
 
 from kubestar.api.conditions import Condition, ConditionType, Reason, condition
 from kubestar.api.v1alpha1 import RolloutFleetSpec
+from kubestar.common import kube as k
 from kubestar.operator import build_fleet
 from kubestar.operator import conditions as cond
-from kubestar.operator import kube as k
 from kubestar.operator import objects as o
 from kubestar.operator.reconciler import ChildConflict, Context
 from kubestar.operator.sandboxpool import ready_replicas, validation_message

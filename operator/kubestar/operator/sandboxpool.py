@@ -11,9 +11,9 @@ from typing import Any
 
 from kubestar.api.conditions import Condition, ConditionType, Reason, condition
 from kubestar.api.v1alpha1 import SandboxPoolSpec
+from kubestar.common import kube as k
 from kubestar.operator import build_sandbox
 from kubestar.operator import conditions as cond
-from kubestar.operator import kube as k
 from kubestar.operator.reconciler import ChildConflict, Context
 from kubestar.operator.settings import OperatorSettings
 from pydantic import ValidationError

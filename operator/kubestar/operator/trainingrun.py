@@ -2,7 +2,7 @@
 trainer (a Job with one pod and local Ray; with several workers a KubeRay RayJob when KubeRay
 serves `rayjobs.ray.io`, and a condition naming what is missing when it does not). The
 trainer patches stage, step, metrics, checkpoint and time left into the status (see
-kubestar.operator.contract); the operator owns the conditions and the phases Pending and
+kubestar.api.trainer_contract); the operator owns the conditions and the phases Pending and
 Provisioning, fails the run when the trainer workload fails, and refuses (with a condition)
 spec changes once the trainer runs: the trainer read its spec when it started.
 
@@ -33,9 +33,9 @@ from kubestar.api.v1alpha1 import (
     SandboxPoolSpec,
     TrainingRunSpec,
 )
+from kubestar.common import kube as k
 from kubestar.operator import build_trainer, metrics, rolloutfleet
 from kubestar.operator import conditions as cond
-from kubestar.operator import kube as k
 from kubestar.operator.reconciler import ChildConflict, Context
 from kubestar.operator.sandboxpool import validation_message
 from pydantic import ValidationError

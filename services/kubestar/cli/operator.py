@@ -54,8 +54,8 @@ def run_command(
     log_level: str,
 ) -> None:
     """Reconcile kubestar's custom resources until SIGTERM."""
+    from kubestar.common import kube
     from kubestar.common.net import start_metrics_server
-    from kubestar.operator import kube
     from kubestar.operator.leader import LeaderElector
     from kubestar.operator.main import Runtime
     from kubestar.operator.settings import OperatorSettings

@@ -11,8 +11,8 @@ import click
 from google.protobuf.json_format import MessageToDict
 from kubestar.common import logs
 from kubestar.scheduler.client import SchedulerClient
+from kubestar.scheduler.config import SchedulerConfig
 from kubestar.scheduler.core import POLICIES
-from kubestar.scheduler.scheduler import SchedulerConfig
 from kubestar.scheduler.server import DiscoveryConfig, ServerConfig, serve
 
 T = TypeVar("T")
@@ -77,7 +77,8 @@ def scheduler() -> None:
 @click.option(
     "--k8s-selector",
     default="",
-    help="Also discover engines: ready pods with these labels (needs `kubernetes`).",
+    help="Also discover engines: ready pods with these labels (in a pod: its service account; "
+    "else $KUBECONFIG or ~/.kube/config).",
 )
 @click.option("--k8s-namespace", default="default", show_default=True)
 @click.option("--k8s-port", default=8000, show_default=True, help="The engines' HTTP port.")

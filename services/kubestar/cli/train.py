@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     is_flag=True,
     help="Run as the trainer Job of a TrainingRun: services come from the "
     "KUBESTAR_* environment the operator sets, progress goes to the "
-    "TrainingRun's status (see kubestar.operator.contract).",
+    "TrainingRun's status (see kubestar.api.trainer_contract).",
 )
 @click.option("--log-level", default="warning", show_default=True)
 def train(
@@ -147,9 +147,10 @@ def train(
 
 def _train_in_cluster(run: TrainingRun, directory: Path) -> None:
     """The trainer pod: endpoints and checkpoint place from the operator, status to the API."""
+    from kubestar.api.trainer_contract import TrainerEnvironment
     from kubestar.engine.models import resolve_model
-    from kubestar.operator.contract import StatusPatcher, TrainerEnvironment
     from kubestar.training.endpoints import Endpoints
+    from kubestar.training.progress import StatusPatcher
     from kubestar.training.session import TrainingSession
 
     env = TrainerEnvironment.from_env()

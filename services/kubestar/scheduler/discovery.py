@@ -1,23 +1,24 @@
 """Engines discovered in Kubernetes: the ready pods that match a label selector.
 
-Polls the API server every `interval` seconds with the official `kubernetes` client (only
-needed when discovery is switched on: `pip install kubernetes`). A pod that turns ready is
-added as an engine named after the pod (`http://<pod IP>:<port>`); one that is deleted or
-stops being ready is removed, and its turns in flight go to the other engines. Engines given
-statically are never touched.
+Lists the pods every `interval` seconds with kubestar's API client (kubestar.common.kube),
+connected as `kube.connect()` says: a kubeconfig when $KUBECONFIG names one, else the pod's
+service account. A pod that turns ready is added as an engine named after the pod
+(`http://<pod IP>:<port>`); one that is deleted or stops being ready is removed, and its turns
+in flight go to the other engines. Engines given statically are never touched.
 
-Tested here with recorded pod objects only (`engines_from_pods`); the test against a real API
-server comes with the operator's end-to-end tests (e2e/), where a RolloutFleet runs engines.
+Tested with recorded pod objects and a stand-in API server (tests/scheduler); against a real
+API server with the operator's end-to-end tests (e2e/), where a RolloutFleet runs engines.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
+
+from kubestar.common import kube
 
 if TYPE_CHECKING:
     from kubestar.scheduler.scheduler import Scheduler
@@ -56,6 +57,7 @@ class KubernetesDiscovery:
         namespace: str = "default",
         port: int = 8000,
         interval: float = 5.0,
+        client: kube.Kube | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.selector = selector
@@ -63,24 +65,16 @@ class KubernetesDiscovery:
         self.port = port
         self.interval = interval
         self.known: dict[str, str] = {}
+        # Connected on the first list when not given (no credentials needed until then);
+        # closed by stop().
+        self.client = client
         self._task: asyncio.Task[None] | None = None
-        self._api: Any = None
 
-    def _list_pods(self) -> list[dict[str, Any]]:
-        """Blocking: runs in a thread."""
-        if self._api is None:
-            # Imported only when discovery runs; typed as Any (the client ships no types).
-            config: Any = importlib.import_module("kubernetes.config")
-            client: Any = importlib.import_module("kubernetes.client")
-            try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config()
-            self._api = client.CoreV1Api()
-        pods = self._api.list_namespaced_pod(self.namespace, label_selector=self.selector)
-        serialized: dict[str, Any] = self._api.api_client.sanitize_for_serialization(pods)
-        items: list[dict[str, Any]] = serialized.get("items") or []
-        return items
+    async def list_pods(self) -> list[kube.Obj]:
+        """The pods that match the selector, as the API serializes them."""
+        if self.client is None:
+            self.client = kube.Kube(kube.connect())
+        return await self.client.list(kube.path("v1", "Pod", self.namespace), self.selector)
 
     def engines(self, pods: list[dict[str, Any]]) -> dict[str, str]:
         """Engine name -> URL for a pod list."""
@@ -88,7 +82,7 @@ class KubernetesDiscovery:
 
     async def sync(self) -> None:
         """One round: add the pods that became ready, remove the ones that went away."""
-        wanted = self.engines(await asyncio.to_thread(self._list_pods))
+        wanted = self.engines(await self.list_pods())
         for name in [n for n in self.known if self.known[n] != wanted.get(n)]:
             del self.known[name]
             with contextlib.suppress(KeyError):
@@ -118,3 +112,5 @@ class KubernetesDiscovery:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self.client is not None:
+            await self.client.close()

@@ -1,18 +1,23 @@
 """Progress of a run: a metrics log (JSONL) and the TrainingRun status, reported as it moves.
 
 Reporters: `FileReporter` (local runs: status.json beside the metrics) and, on a cluster,
-the status-subresource patcher of kubestar.operator's trainer contract. Both receive the same
-TrainingRunStatus the CRD declares.
+`StatusPatcher` (the TrainingRun's status subresource, as kubestar.api.trainer_contract says).
+Both receive the same TrainingRunStatus the CRD declares.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Protocol
 
 from kubestar.api.conditions import ConditionType, Phase, condition
-from kubestar.api.v1alpha1 import TrainingMetrics, TrainingRunStatus
+from kubestar.api.trainer_contract import TrainerEnvironment, trainer_patch
+from kubestar.api.v1alpha1 import API_VERSION, TrainingMetrics, TrainingRunStatus
+from kubestar.common import kube
+
+log = logging.getLogger(__name__)
 
 
 class Reporter(Protocol):
@@ -27,6 +32,37 @@ class FileReporter:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(status.model_dump_json(by_alias=True, indent=2))
         tmp.replace(self.path)
+
+
+class StatusPatcher:
+    """Reports to the TrainingRun's status subresource through kubestar's API client (in the
+    trainer pod: with its service account, whose Role allows exactly that)."""
+
+    def __init__(
+        self, name: str, namespace: str, connection: kube.Connection, timeout: float = 10.0
+    ) -> None:
+        self.connection = connection
+        self.path = kube.path(API_VERSION, "TrainingRun", namespace, name, "status")
+        self.timeout = timeout
+
+    @classmethod
+    def in_cluster(cls, env: TrainerEnvironment | None = None) -> StatusPatcher:
+        env = env or TrainerEnvironment.from_env()
+        return cls(env.name, env.namespace, kube.in_cluster())
+
+    def patch(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Merge-patch the status; raises what the request raised (kube.REQUEST_ERRORS)."""
+        return kube.call_blocking(
+            self.connection, lambda client: client.merge_patch(self.path, body), self.timeout
+        )
+
+    def report(self, status: TrainingRunStatus) -> None:
+        """Best effort: a failed patch is logged, never raised nor retried (training goes on;
+        the next report carries the whole state again)."""
+        try:
+            self.patch(trainer_patch(status))
+        except kube.REQUEST_ERRORS as error:
+            log.warning("status patch failed: %s", error)
 
 
 class MetricsLog:

@@ -20,30 +20,29 @@ with this environment (names are the constants below):
 
 Its service account may `get` its own TrainingRun and `get`/`patch` that run's `status`
 subresource, nothing else (a Role limited by resourceNames). It reports with
-`StatusPatcher.report(status)` (a `kubestar.training.progress.Reporter`), which sends a JSON
-merge patch of the fields the trainer owns: `phase` (Evaluating, SFT, Training, Succeeded,
-Failed: kubestar.api.conditions.TRAINER_PHASES), `stage`, `step`, `totalSteps`, `progress`,
-`metrics`, `lastCheckpoint`, `estimatedSecondsLeft`. The operator owns `conditions`,
-`observedGeneration`, `stepSummary`, `trainer` and the phases Pending and Provisioning; it
-also sets Succeeded or Failed from the Job's outcome when the trainer could not.
+`kubestar.training.progress.StatusPatcher`, which sends `trainer_patch(status)` to the status
+subresource: a JSON merge patch of the fields the trainer owns, `phase` (Evaluating, SFT,
+Training, Succeeded, Failed: kubestar.api.conditions.TRAINER_PHASES), `stage`, `step`,
+`totalSteps`, `progress`, `metrics`, `lastCheckpoint`, `estimatedSecondsLeft`. The operator
+owns `conditions`, `observedGeneration`, `stepSummary`, `trainer` and the phases Pending and
+Provisioning; it also sets Succeeded or Failed from the Job's outcome when the trainer could
+not. A report that fails is logged and dropped, never retried: training goes on, and the next
+report carries the whole state again.
+
+The operator (kubestar.operator.build_trainer) writes this contract and the trainer
+(`kubestar train --in-cluster`) reads it; both import it from here, so neither imports the
+other.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
-import ssl
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from kubestar.api.conditions import TRAINER_PHASES
-from kubestar.api.v1alpha1 import API_VERSION, TrainingRunStatus
-
-log = logging.getLogger(__name__)
+from kubestar.api.v1alpha1 import TrainingRunStatus
 
 ENV_NAME = "KUBESTAR_TRAININGRUN_NAME"
 ENV_NAMESPACE = "KUBESTAR_TRAININGRUN_NAMESPACE"
@@ -57,7 +56,6 @@ ENV_WORKERS = "KUBESTAR_TRAINER_WORKERS"
 
 CONFIG_DIR = "/etc/kubestar"
 RUN_CONFIG = f"{CONFIG_DIR}/run.yaml"
-SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 TRAINER_FIELDS = (
     "phase",
@@ -106,65 +104,3 @@ def trainer_patch(status: TrainingRunStatus) -> dict[str, Any]:
     if body["phase"] not in TRAINER_PHASES:
         del body["phase"]
     return {"status": body}
-
-
-class StatusPatcher:
-    """Patches the TrainingRun's status subresource (in cluster: the pod's service account)."""
-
-    def __init__(
-        self,
-        name: str,
-        namespace: str,
-        server: str = "",
-        token: str = "",
-        ca_file: str | None = None,
-        insecure: bool = False,
-        timeout: float = 10.0,
-    ) -> None:
-        if not server:
-            host = os.environ["KUBERNETES_SERVICE_HOST"]
-            port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-            server = f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
-            ca_file = ca_file or str(SA_DIR / "ca.crt")
-        self.url = (
-            f"{server.rstrip('/')}/apis/{API_VERSION}/namespaces/{namespace}"
-            f"/trainingruns/{name}/status"
-        )
-        self._token = token
-        self._context = ssl.create_default_context(cafile=ca_file) if ca_file else None
-        if insecure:
-            self._context = ssl._create_unverified_context()
-        self.timeout = timeout
-
-    @classmethod
-    def in_cluster(cls, env: TrainerEnvironment | None = None) -> StatusPatcher:
-        env = env or TrainerEnvironment.from_env()
-        return cls(env.name, env.namespace)
-
-    def _token_value(self) -> str:
-        # Projected tokens rotate: read the file each time.
-        if self._token:
-            return self._token
-        return (SA_DIR / "token").read_text().strip()
-
-    def patch(self, body: dict[str, Any]) -> dict[str, Any]:
-        request = urllib.request.Request(
-            self.url,
-            data=json.dumps(body).encode(),
-            method="PATCH",
-            headers={
-                "Content-Type": "application/merge-patch+json",
-                "Authorization": f"Bearer {self._token_value()}",
-                "Accept": "application/json",
-            },
-        )
-        with urllib.request.urlopen(request, timeout=self.timeout, context=self._context) as r:
-            result: dict[str, Any] = json.loads(r.read())
-            return result
-
-    def report(self, status: TrainingRunStatus) -> None:
-        """Best effort: a failed patch is logged, never raised (training goes on)."""
-        try:
-            self.patch(trainer_patch(status))
-        except (urllib.error.URLError, OSError, ValueError) as error:
-            log.warning("status patch failed: %s", error)

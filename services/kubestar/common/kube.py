@@ -1,6 +1,11 @@
-"""A small, typed, async Kubernetes API client on aiohttp (what the operator needs: get,
-list, create, merge-patch, delete, status patches), and credentials from a kubeconfig or the
-pod's service account. kopf logs in with the same credentials (`Connection.to_kopf`)."""
+"""kubestar's Kubernetes API client: small, typed, async, on aiohttp.
+
+The one client beside kopf's watches: the operator reconciles with it (get, list, create,
+merge-patch, delete, leases), the rollout scheduler discovers engines with it, and the trainer
+patches its TrainingRun's status with it (`call_blocking`, for synchronous callers).
+Credentials come from a kubeconfig or the pod's service account (`connect`); kopf logs in with
+the same ones (kubestar.operator.main).
+"""
 
 from __future__ import annotations
 
@@ -10,16 +15,18 @@ import json
 import os
 import ssl
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import aiohttp
-import kopf
 import yaml
 
+T = TypeVar("T")
 Obj = dict[str, Any]
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
@@ -59,6 +66,10 @@ class ApiError(Exception):
         super().__init__(f"{method} {path}: {status} {self.reason}: {message}")
 
 
+# What a request may raise: the API server's answer, or no answer (refused, TLS, timeout).
+REQUEST_ERRORS = (ApiError, aiohttp.ClientError, TimeoutError, OSError)
+
+
 @dataclass
 class Connection:
     server: str
@@ -71,6 +82,7 @@ class Connection:
     namespace: str = "default"
 
     def bearer(self) -> str:
+        # Projected service-account tokens rotate: read the file at every request.
         if self.token_file:
             return Path(self.token_file).read_text().strip()
         return self.token
@@ -84,18 +96,6 @@ class Connection:
         if self.cert_file:
             context.load_cert_chain(self.cert_file, self.key_file or None)
         return context
-
-    def to_kopf(self) -> kopf.ConnectionInfo:
-        return kopf.ConnectionInfo(
-            server=self.server,
-            ca_path=self.ca_file or None,
-            insecure=self.insecure or None,
-            scheme="Bearer" if self.bearer() else None,
-            token=self.bearer() or None,
-            certificate_path=self.cert_file or None,
-            private_key_path=self.key_file or None,
-            default_namespace=self.namespace,
-        )
 
 
 def _data_file(data: str, suffix: str) -> str:
@@ -147,6 +147,8 @@ def from_kubeconfig(path: str | Path | None = None, context: str | None = None) 
 
 
 def in_cluster() -> Connection:
+    """The pod's service account, and the API server at KUBERNETES_SERVICE_HOST/PORT (which
+    the operator overrides in its children where the kubernetes Service is unreachable)."""
     host = os.environ["KUBERNETES_SERVICE_HOST"]
     port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
     host = f"[{host}]" if ":" in host else host
@@ -217,6 +219,17 @@ class Kube:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    async def __aenter__(self) -> Kube:
+        return self
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.close()
 
     async def request(
         self,
@@ -299,7 +312,24 @@ class Kube:
             try:
                 await self.request("GET", "/version")
                 return
-            except (aiohttp.ClientError, ApiError, OSError):
+            except REQUEST_ERRORS:
                 if asyncio.get_running_loop().time() > deadline:
                     raise
                 await asyncio.sleep(0.2)
+
+
+def call_blocking(
+    connection: Connection, call: Callable[[Kube], Awaitable[T]], timeout: float = 30.0
+) -> T:
+    """`call` on a fresh client, for synchronous callers (the trainer's status reports).
+
+    It runs on an event loop of its own in a worker thread, so it works the same whether or
+    not the caller's thread runs an event loop; the client is closed before returning.
+    """
+
+    async def once() -> T:
+        async with Kube(connection, timeout) as kube:
+            return await call(kube)
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kube-call") as worker:
+        return worker.submit(asyncio.run, once()).result()
