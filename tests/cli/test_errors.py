@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.real_parts import REPO
+from tests.training.rollout_support import start_sandbox
 
 VALID_HEAD = """\
 apiVersion: kubestar.dev/v1alpha1
@@ -90,6 +91,24 @@ def test_debug_shows_the_traceback(refusing_port: int) -> None:
     ):
         assert done.returncode != 0
         assert "Traceback (most recent call last)" in done.stderr
+
+
+def test_rollouts_name_the_service_that_is_down(refusing_port: int) -> None:
+    """Checked before any work: a wrong address is one error, not every trajectory failing."""
+    down = f"127.0.0.1:{refusing_port}"
+    problems = {"rollout": ("-n", "1"), "eval": ("--problems", "basic_arithmetic", "-n", "1")}
+    for command, limit in problems.items():
+        done = kubestar(command, "--engine", f"http://{down}", "--sandbox", down, *limit)
+        one_line_error(done, f"--sandbox {down}", "nothing answers")
+    sandbox = start_sandbox(executors=1)
+    try:
+        for command, limit in problems.items():
+            args = ("--engine", f"http://{down}", "--sandbox", sandbox.endpoint, *limit)
+            one_line_error(kubestar(command, *args), f"--engine http://{down}")
+        args = ("--scheduler", down, "--sandbox", sandbox.endpoint, "-n", "1")
+        one_line_error(kubestar("rollout", *args), f"--scheduler {down}")
+    finally:
+        sandbox.stop()
 
 
 @pytest.mark.parametrize("service", ["sandbox", "scheduler"])

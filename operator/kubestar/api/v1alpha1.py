@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import yaml
 from kubestar.api.conditions import Condition, Phase
+from kubestar.common.errors import KubestarError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
@@ -814,7 +815,7 @@ KINDS: dict[str, type[Resource]] = {
 }
 
 
-class ManifestError(ValueError):
+class ManifestError(KubestarError, ValueError):
     """A manifest is invalid; the message names the document, kind and field."""
 
 

@@ -8,6 +8,8 @@ import errno
 import os
 import re
 
+from kubestar.common.errors import KubestarError
+
 DEBUG_ENV = "KUBESTAR_DEBUG"
 DEBUG_HINT = "(`kubestar --debug` or KUBESTAR_DEBUG=1 shows the traceback)"
 # gRPC names the address it tried in its details: "ipv4:127.0.0.1:1: Failed to connect ...".
@@ -21,10 +23,8 @@ def debug_requested() -> bool:
 
 def describe(error: BaseException) -> str:
     """One line for `error`: what failed, where, and what to do."""
-    from kubestar.api.v1alpha1 import ManifestError
-
-    if isinstance(error, ManifestError):
-        return str(error)
+    if isinstance(error, KubestarError):
+        return _one_line(str(error))
     grpc_message = _describe_grpc(error)
     if grpc_message:
         return grpc_message
@@ -76,11 +76,7 @@ def _describe_http(error: BaseException) -> str:
 
 
 def _describe_os_error(error: OSError) -> str:
-    from kubestar.common.net import CannotListen
-
     where = error.filename or ""
-    if isinstance(error, CannotListen):
-        return str(error.strerror)
     if error.errno == errno.EADDRINUSE:
         return f"{error.strerror}: pick another port"
     if error.errno == errno.ECONNREFUSED:

@@ -13,8 +13,10 @@ import subprocess
 import time
 from pathlib import Path
 
+import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kubestar.common.errors import KubestarError
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
 
@@ -26,7 +28,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
-class CannotListen(OSError):
+class CannotListen(KubestarError, OSError):
     """An address a server was told to listen on is taken (or not this machine's)."""
 
 
@@ -46,7 +48,7 @@ def check_can_listen(address: str, option: str) -> None:
             sock.bind((host, int(port_text)))
         except OSError as error:
             raise CannotListen(
-                error.errno, f"{option} {address}: {error.strerror}: pick another address"
+                f"{option} {address}: {error.strerror}: pick another address"
             ) from None
 
 
@@ -54,6 +56,45 @@ def start_metrics_server(port: int, address: str, registry: CollectorRegistry = 
     """Prometheus metrics on http://ADDRESS:PORT/metrics (from --metrics-port/--metrics-address)."""
     check_can_listen(f"{address}:{port}", "--metrics-port")
     start_http_server(port, addr=address, registry=registry)
+
+
+class ServiceUnreachable(KubestarError, ConnectionError):
+    """A service a command was pointed at does not answer."""
+
+
+async def check_grpc_serving(endpoint: str, option: str, timeout: float = 10.0) -> None:
+    """Raise ServiceUnreachable, naming `option` and `endpoint`, unless the gRPC server there
+    answers its health check: checked before work starts, so that a wrong address is one clear
+    error rather than every request failing."""
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError as error:
+            code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
+            reason = "nothing answers" if code == grpc.StatusCode.UNAVAILABLE else str(code)
+            raise ServiceUnreachable(
+                f"{option} {endpoint}: {reason}: start the service, or give the address it "
+                "listens on"
+            ) from None
+
+
+async def check_http_serving(url: str, option: str, timeout: float = 10.0) -> None:
+    """The same for an HTTP server (a vLLM engine): its /health answers 200."""
+    health = f"{url.rstrip('/')}/health"
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
+            session.get(health) as response,
+        ):
+            if response.status == 200:
+                return
+            reason = f"{health} answered HTTP {response.status}"
+    except (aiohttp.ClientError, TimeoutError, OSError) as error:
+        reason = f"nothing answers ({type(error).__name__})"
+    raise ServiceUnreachable(
+        f"{option} {url}: {reason}: start the engine, or give the URL it listens on"
+    )
 
 
 def wait_serving(

