@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import pytest
+from kubestar.api.v1alpha1 import CallLimitsSpec
 from kubestar.common.net import free_port
 from kubestar.sandbox.client import Call
 from kubestar.sandbox.server import ServerConfig
@@ -42,6 +43,7 @@ from kubestar.training.trajectory import (
     TOOL,
     Trajectory,
 )
+from kubestar.training.workers import call_limits_config
 from kubestar.v1 import sandbox_pb2 as pb
 
 from tests.sandbox.support import ThreadedServer, executor_config
@@ -618,3 +620,23 @@ async def test_a_broken_executor_or_generator_fails_softly() -> None:
     trajectories = await failing.run_many([PROBLEM], samples=3)
     assert [t.finish_reason for t in trajectories] == [ERROR] * 3
     assert trajectories[0].error == "ValueError: script bug"
+
+
+async def test_a_sandbox_pools_limits_reach_every_call(sandbox: ThreadedServer) -> None:
+    """SandboxPool.spec.limits, as the trainer's rollout worker applies them."""
+    turns = [
+        tool_call("while True:\n    pass"),
+        tool_call("print('x' * 5000)"),
+        "Done: \\boxed{1}",
+    ]
+    limits = CallLimitsSpec(timeout_seconds=1, output_bytes=1024)
+    tools = SandboxStreamExecutor(sandbox.endpoint)
+    loop = make_loop(scripted(turns), tools, **call_limits_config(limits))
+    try:
+        trajectory = await loop.run_trajectory(Problem("p", "q?", "1"))
+    finally:
+        await tools.close()
+    spin, loud = trajectory.tool_calls
+    assert spin.status == "timeout" and "1s" in spin.response
+    assert loud.status == "output-limit", loud.status
+    assert call_limits_config(CallLimitsSpec())["tool_memory_bytes"] == 512 * 1024 * 1024

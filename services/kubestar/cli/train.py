@@ -137,6 +137,7 @@ def train(
             model_dir,
             FileReporter(directory / "status.json"),
             progress=progress,
+            call_limits=pool.spec.limits,
         )
         status = session.run_all()
     bar.close()
@@ -148,6 +149,7 @@ def train(
 def _train_in_cluster(run: TrainingRun, directory: Path) -> None:
     """The trainer pod: endpoints and checkpoint place from the operator, status to the API."""
     from kubestar.api.trainer_contract import TrainerEnvironment
+    from kubestar.api.v1alpha1 import CallLimitsSpec
     from kubestar.engine.models import resolve_model
     from kubestar.training.endpoints import Endpoints
     from kubestar.training.progress import StatusPatcher
@@ -165,6 +167,8 @@ def _train_in_cluster(run: TrainingRun, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model(run.spec.model.path or run.spec.model.name)
     endpoints = Endpoints(scheduler=env.scheduler_endpoint, sandbox=env.sandbox_endpoint)
-    session = TrainingSession(run, endpoints, directory, model_dir, StatusPatcher.in_cluster(env))
+    reporter = StatusPatcher.in_cluster(env)
+    limits = CallLimitsSpec.model_validate(env.sandbox_limits)
+    session = TrainingSession(run, endpoints, directory, model_dir, reporter, call_limits=limits)
     status = session.run_all()
     click.echo(f"{status.phase}: {status.step}/{status.total_steps} steps")

@@ -26,7 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from kubestar.api.conditions import Phase, Reason
-from kubestar.api.v1alpha1 import DatasetSpec, StageSpec, TrainingRun, TrainingRunStatus
+from kubestar.api.v1alpha1 import (
+    CallLimitsSpec,
+    DatasetSpec,
+    StageSpec,
+    TrainingRun,
+    TrainingRunStatus,
+)
 from kubestar.training import checkpoint
 from kubestar.training.checkpoint import RunState
 from kubestar.training.datasets import Problem, jsonl_problems, reasoning_gym_problems
@@ -76,8 +82,11 @@ class TrainingSession:
         reporter: Reporter,
         progress: ProgressCallback | None = None,
         reward_workers: int = 2,
+        call_limits: CallLimitsSpec | None = None,
     ) -> None:
+        """`call_limits`: the SandboxPool's per-call limits, applied to every tool call."""
         self.run = run
+        self.call_limits = call_limits or CallLimitsSpec()
         self.spec = run.spec
         self.endpoints = endpoints
         self.run_dir = run_dir
@@ -132,6 +141,7 @@ class TrainingSession:
                 self.endpoints.sandbox,
                 str(self.model_dir),
                 self.reward_workers,
+                self.call_limits,
             )
         )
         try:

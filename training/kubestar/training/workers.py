@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kubestar.api.v1alpha1 import CallLimitsSpec
 from kubestar.training.chat import ChatTokenizer
 from kubestar.training.datasets import Problem
 from kubestar.training.executors import SandboxStreamExecutor
@@ -18,10 +19,25 @@ from kubestar.training.rollout import AgentLoop, RolloutConfig, RolloutStats, ro
 from kubestar.training.trajectory import Trajectory
 
 
+def call_limits_config(limits: CallLimitsSpec) -> dict[str, Any]:
+    """The RolloutConfig fields that carry a SandboxPool's per-call limits into every call."""
+    return {
+        "tool_timeout_seconds": limits.timeout_seconds,
+        "tool_memory_bytes": limits.memory_mib * 1024 * 1024,
+        "tool_output_bytes": limits.output_bytes,
+    }
+
+
 class RolloutWorker:
     def __init__(
-        self, scheduler: str, sandbox: str, model_dir: str, reward_workers: int = 2
+        self,
+        scheduler: str,
+        sandbox: str,
+        model_dir: str,
+        reward_workers: int = 2,
+        call_limits: CallLimitsSpec | None = None,
     ) -> None:
+        self.call_limits = call_limits or CallLimitsSpec()
         self.tokenizer = ChatTokenizer.from_model(model_dir)
         self.generator = SchedulerGenerator(scheduler)
         self.tools = SandboxStreamExecutor(sandbox)
@@ -36,7 +52,10 @@ class RolloutWorker:
         sampling: Sampling,
     ) -> tuple[list[Trajectory], RolloutStats]:
         config = RolloutConfig(
-            max_turns=max_turns, max_response_tokens=max_response_tokens, sampling=sampling
+            max_turns=max_turns,
+            max_response_tokens=max_response_tokens,
+            sampling=sampling,
+            **call_limits_config(self.call_limits),
         )
         loop = AgentLoop(self.generator, self.tools, self.tokenizer, config)
         return await rollout(loop, problems, samples, self.scorer)
