@@ -69,6 +69,7 @@ from kubestar.engine.launch import (
     vllm_missing,
 )
 from kubestar.engine.models import resolve_model
+from kubestar.scheduler.config import SchedulerConfig
 from kubestar.scheduler.core import (
     DEFAULT_STARVATION_SECONDS,
     KV_AWARE,
@@ -76,7 +77,7 @@ from kubestar.scheduler.core import (
     ROUND_ROBIN,
     parse_vllm_metrics,
 )
-from kubestar.scheduler.scheduler import Scheduler, SchedulerConfig
+from kubestar.scheduler.scheduler import Scheduler
 from kubestar.v1 import rollout_pb2 as pb
 
 POLICY_ORDER = (ROUND_ROBIN, LEAST_REQUESTS, KV_AWARE)

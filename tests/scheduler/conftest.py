@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-from kubestar.scheduler.scheduler import Scheduler, SchedulerConfig
+from kubestar.scheduler.config import SchedulerConfig
+from kubestar.scheduler.scheduler import Scheduler
 
 from tests.scheduler.fake_engine import FakeEngine
 

@@ -6,15 +6,15 @@ import asyncio
 import time
 
 import pytest
+from kubestar.scheduler.config import SchedulerConfig
 from kubestar.scheduler.core import RequestTooLarge
-from kubestar.scheduler.scheduler import (
+from kubestar.scheduler.errors import (
     NoEngineAvailable,
-    Scheduler,
-    SchedulerConfig,
     SchedulerDraining,
     TurnRejected,
     UnknownEngine,
 )
+from kubestar.scheduler.scheduler import Scheduler
 from kubestar.v1 import rollout_pb2 as pb
 
 from tests.scheduler.conftest import MakeScheduler, wait_for

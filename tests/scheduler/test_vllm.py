@@ -19,8 +19,8 @@ import pytest
 from kubestar.engine.client import EngineClient
 from kubestar.engine.launch import EngineProcess
 from kubestar.scheduler.client import SchedulerClient
+from kubestar.scheduler.config import SchedulerConfig
 from kubestar.scheduler.core import parse_vllm_metrics
-from kubestar.scheduler.scheduler import SchedulerConfig
 from kubestar.scheduler.server import SchedulerServer, ServerConfig
 from kubestar.v1 import rollout_pb2 as pb
 

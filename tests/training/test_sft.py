@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from kubestar.sandbox.client import SandboxClient
 from kubestar.training.chat import ChatTokenizer
-from kubestar.training.sft import (
+from kubestar.training.sft_data import (
     FINALS,
     INTROS,
     SftExample,

@@ -1,8 +1,8 @@
 """The scheduler's pure core: engine state, vLLM /metrics parsing, admission policies.
 
 Nothing here does I/O, reads a clock or awaits: the async scheduler
-(`kubestar.scheduler.scheduler`) and a discrete-event simulator drive exactly the same
-functions, so what the simulator measures is what the service does.
+(`kubestar.scheduler.scheduler`) and a discrete-event simulator (`kubestar.scheduler.simulator`)
+drive exactly the same functions, so what the simulator measures is what the service does.
 
 Interface (what a simulator needs)
 ----------------------------------

@@ -10,18 +10,18 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kubestar.common.net import check_can_listen, start_metrics_server
+from kubestar.scheduler.config import SchedulerConfig
 from kubestar.scheduler.core import RequestTooLarge
 from kubestar.scheduler.discovery import KubernetesDiscovery
-from kubestar.scheduler.metrics import SchedulerMetrics
-from kubestar.scheduler.scheduler import (
+from kubestar.scheduler.errors import (
     NoEngineAvailable,
-    Scheduler,
-    SchedulerConfig,
     SchedulerDraining,
     SchedulerError,
     TurnRejected,
     UnknownEngine,
 )
+from kubestar.scheduler.metrics import SchedulerMetrics
+from kubestar.scheduler.scheduler import Scheduler
 from kubestar.v1 import rollout_pb2 as pb
 from kubestar.v1 import rollout_pb2_grpc as pb_grpc
 

@@ -1,8 +1,8 @@
-"""Non-reasoning SFT: teach the tool-call format and instruction following before RL.
+"""The examples of non-reasoning SFT, made here: the tool-call format and instruction following.
 
 rStar2-Agent starts RL from a model that already follows instructions and writes well-formed
 tool calls, but has not been taught to reason (that is RL's job). This module makes that
-small warm-up set itself and trains on it:
+small warm-up set itself (`build_sft_examples`); `kubestar.training.sft` trains on it:
 
 * Problems: reasoning-gym generators (basic_arithmetic, chain_sum, products, gcd, lcm,
   simple_equations, fraction_simplification, prime_factorization) and simple
@@ -24,10 +24,6 @@ answer, and prompt + response fit `max_tokens`. With SmolLM2's tokenizer the pro
 prompt with the tool declaration) takes about 310 tokens and whole examples 400-600, the
 error-fixing ones being the longest: a `max_tokens` under about 640 drops those first, and
 one under about 400 leaves nothing (an error says so).
-
-Training: `spec.epochs` passes in shuffled batches of `spec.batch_size` examples, masked
-cross-entropy through `Policy.sft_step`, with a fresh AdamW at `spec.learning_rate`; the RL
-optimizer (fresh moments, the RL learning rate) is restored afterwards.
 """
 
 from __future__ import annotations
@@ -38,11 +34,10 @@ import logging
 import math
 import random
 import re
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kubestar.sandbox.client import Call, SandboxClient
 from kubestar.training.chat import ChatTokenizer
@@ -61,14 +56,7 @@ from kubestar.training.tools import (
 from kubestar.training.trajectory import ANSWERED, MODEL, Trajectory
 from kubestar.v1 import sandbox_pb2 as pb
 
-if TYPE_CHECKING:
-    from kubestar.api.v1alpha1 import SftSpec
-    from kubestar.training.policy import Policy
-
 log = logging.getLogger(__name__)
-
-# (stage, step, total steps, metrics), as TrainingSession's progress callback.
-ProgressCallback = Callable[[str, int, int, dict[str, float]], None]
 
 # Seeds of the reasoning-gym problems used here are offset so that they do not coincide with
 # the seeds RL stages and evaluations usually take (0, 1, 2, ...).
@@ -679,114 +667,3 @@ def write_examples(examples: Sequence[SftExample], path: Path, tokens: bool = Fa
         for example in examples:
             handle.write(json.dumps(example.to_dict(tokens=tokens)) + "\n")
     return path
-
-
-# -- training ----------------------------------------------------------------------------------
-def train_sft(
-    policy: Policy,
-    examples: Sequence[SftExample],
-    epochs: int,
-    batch_size: int,
-    learning_rate: float,
-    seed: int = 0,
-    pad_id: int = 0,
-    progress: ProgressCallback | None = None,
-) -> dict[str, float]:
-    """Masked cross-entropy on `examples`; the policy's RL optimizer is restored after."""
-    from kubestar.training.batch import make_batch
-
-    if not examples:
-        raise ValueError("no SFT examples")
-    rl_learning_rate = policy.optimizer_config.learning_rate
-    policy.reset_optimizer(learning_rate)
-    rng = random.Random(f"kubestar-sft-order/{seed}")
-    per_epoch = math.ceil(len(examples) / batch_size)
-    total_steps = per_epoch * epochs
-    step = 0
-    trained = 0
-    processed = 0
-    initial_loss = math.nan
-    epoch_losses: list[float] = []
-    grad_norm = 0.0
-    try:
-        for epoch in range(epochs):
-            order = list(range(len(examples)))
-            rng.shuffle(order)
-            weighted, weight = 0.0, 0
-            for first in range(0, len(order), batch_size):
-                chunk = [examples[i] for i in order[first : first + batch_size]]
-                batch = make_batch(
-                    [e.prompt_ids for e in chunk],
-                    [e.response_ids for e in chunk],
-                    [e.response_mask for e in chunk],
-                    pad_id=pad_id,
-                )
-                stats = policy.sft_step(batch)
-                step += 1
-                tokens = batch.tokens
-                trained += tokens
-                processed += sum(e.tokens for e in chunk)
-                weighted += stats["loss"] * tokens
-                weight += tokens
-                grad_norm = stats["grad_norm"]
-                if step == 1:
-                    initial_loss = stats["loss"]
-                log.info(
-                    "sft step",
-                    extra={"fields": {"epoch": epoch, "step": step, "loss": stats["loss"]}},
-                )
-                if progress is not None:
-                    progress("sft", step, total_steps, {"loss": stats["loss"], "epoch": epoch})
-            epoch_losses.append(weighted / max(weight, 1))
-    finally:
-        # RL starts with fresh moments at its own learning rate.
-        policy.reset_optimizer(rl_learning_rate)
-    return {
-        "loss": epoch_losses[-1],
-        "first_epoch_loss": epoch_losses[0],
-        "initial_loss": initial_loss,
-        "steps": float(step),
-        "epochs": float(epochs),
-        "tokens": float(trained),
-        "sequence_tokens": float(processed),
-        "grad_norm": grad_norm,
-        "learning_rate": learning_rate,
-    }
-
-
-def run_sft(
-    policy: Policy,
-    model_dir: Path,
-    spec: SftSpec,
-    sandbox_endpoint: str,
-    seed: int = 0,
-    progress: ProgressCallback | None = None,
-    config: RolloutConfig | None = None,
-) -> dict[str, float]:
-    """The SFT stage of a run: make `spec.examples` examples, train on them.
-
-    Returns the metrics (loss of the last epoch, examples, trained tokens, seconds, ...).
-    """
-    started = time.monotonic()
-    tokenizer = ChatTokenizer.from_model(model_dir)
-    examples = build_sft_examples(
-        spec.examples, sandbox_endpoint, tokenizer, seed=seed, max_tokens=spec.max_tokens,
-        config=config,
-    )  # fmt: skip
-    built = time.monotonic() - started
-    metrics = train_sft(
-        policy,
-        examples,
-        epochs=spec.epochs,
-        batch_size=spec.batch_size,
-        learning_rate=spec.learning_rate,
-        seed=seed,
-        progress=progress,
-    )
-    metrics.update(
-        examples=float(len(examples)),
-        error_fix_examples=float(sum(e.fixes_error for e in examples)),
-        data_seconds=built,
-        seconds=time.monotonic() - started,
-    )
-    return metrics

@@ -1,0 +1,116 @@
+"""Weight updates: every engine loads the trainer's new policy weights between turns.
+
+An update stops admission, lets the turns in flight finish (so that no turn mixes two
+versions of the weights), has every engine that takes turns reload from the given path, and
+resumes. An engine that fails to load is taken out (it loads the current weights when it
+comes back, before its first turn); an update with no engine up is recorded for the same
+reason, so the trainer need not fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING
+
+from kubestar.scheduler import proto
+from kubestar.scheduler.errors import NoEngineAvailable
+from kubestar.scheduler.metrics import SchedulerMetrics
+from kubestar.v1 import rollout_pb2 as pb
+
+if TYPE_CHECKING:
+    from kubestar.scheduler.engines import Engine, Engines
+
+log = logging.getLogger(__name__)
+
+
+class WeightUpdates:
+    """The weights the engines serve (version and path) and replacing them on every engine."""
+
+    def __init__(self, metrics: SchedulerMetrics) -> None:
+        self.metrics = metrics
+        self.version = 0
+        self.path = ""
+        # Held by an update, and by an engine coming back while it loads the current weights.
+        self.lock = asyncio.Lock()
+
+    async def load_current(self, engine: Engine) -> None:
+        """Before an engine takes turns: load the current weights unless it has them."""
+        # Waits for an update in progress, which this engine would otherwise miss.
+        async with self.lock:
+            if engine.state.weights_version != self.version and self.path:
+                await engine.client.reload_weights(self.path)
+                engine.state.weights_version = self.version
+
+    def forget_loaded(self, engine: Engine) -> None:
+        """A failed engine may come back restarted, with its original weights: reload then."""
+        if self.path:
+            engine.state.weights_version = 0
+
+    async def update(
+        self,
+        weights_path: str,
+        version: int | None,
+        engines: Engines,
+        quiesced: Callable[[], AbstractAsyncContextManager[float]],
+    ) -> pb.UpdateWeightsResponse:
+        """Reload every engine that takes turns, inside `quiesced()` (no turn under way; it
+        yields the seconds it waited for the turns in flight)."""
+        async with self.lock, quiesced() as waited:
+            targets = engines.admitting()
+            new_version = self.version + 1 if version is None else version
+            if not targets:
+                # Every engine is away (restarting, or out of the endpoints for a moment):
+                # each one loads these weights when it comes back, before it takes a turn
+                # (`load_current`), so the update is not lost and the trainer need not fail.
+                self._record(new_version, weights_path)
+                log.warning(
+                    "weights recorded with no engine up; engines load them on return",
+                    extra={"fields": {"version": new_version, "path": weights_path}},
+                )
+                return proto.weights_response(new_version, [], 0.0)
+            started = time.monotonic()
+            results = await asyncio.gather(
+                *(e.client.reload_weights(weights_path) for e in targets),
+                return_exceptions=True,
+            )
+            loaded: list[str] = []
+            errors: list[str] = []
+            for engine, result in zip(targets, results, strict=True):
+                if isinstance(result, BaseException):
+                    if not isinstance(result, Exception):
+                        raise result
+                    errors.append(f"{engine.state.name}: {result}")
+                    engines.failed(engine, result)
+                else:
+                    engine.state.weights_version = new_version
+                    loaded.append(engine.state.name)
+            seconds = time.monotonic() - started
+            if not loaded:
+                raise NoEngineAvailable(
+                    "loading the weights failed on every engine: " + "; ".join(errors)
+                )
+            self._record(new_version, weights_path)
+            self.metrics.weights_reload_seconds.observe(seconds)
+            log.info(
+                "weights updated",
+                extra={
+                    "fields": {
+                        "version": new_version,
+                        "path": weights_path,
+                        "engines": loaded,
+                        "failed": errors,
+                        "reload_seconds": round(seconds, 3),
+                        "waited_seconds": round(waited, 3),
+                    }
+                },
+            )
+            return proto.weights_response(new_version, loaded, seconds)
+
+    def _record(self, version: int, path: str) -> None:
+        self.version = version
+        self.path = path
+        self.metrics.weights_version.set(version)
