@@ -12,6 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kubestar.sandbox.client import Call, SandboxClient, result_to_dict
 from kubestar.sandbox.dispatcher import WorkerDispatcher
+from kubestar.sandbox.limits import LimitPolicy
 from kubestar.sandbox.server import SERVICE_NAME, ServerConfig
 from kubestar.v1 import sandbox_pb2 as pb
 
@@ -238,6 +239,27 @@ class TestDispatcher:
         finally:
             await client.aclose()
             client.close()
+
+    def test_the_largest_result_passes_through(self, dispatcher: ThreadedServer) -> None:
+        """stdout and stderr at the output ceiling, every byte invalid UTF-8 (each becomes a
+        3-byte U+FFFD): the largest result a call can have, far over gRPC's default 4 MiB,
+        on the dispatcher's stream to the worker with another call beside it."""
+        ceiling = LimitPolicy().maximum.output_bytes
+        code = (
+            "import sys\n"
+            f"sys.stdout.buffer.write(b'\\xff' * {ceiling})\n"
+            f"sys.stderr.buffer.write(b'\\xff' * {ceiling})\n"
+        )
+        with SandboxClient(dispatcher.endpoint, timeout=120) as client:
+            largest, beside = client.execute_batch(
+                [Call(code=code, output_bytes=ceiling), "print('beside it')"]
+            )
+            assert largest.status == OK, largest.message
+            assert largest.stdout == "\ufffd" * ceiling and largest.stderr == largest.stdout
+            assert not largest.stdout_truncated and largest.attempts == 1
+            assert largest.ByteSize() > 2 * 3 * ceiling
+            assert (beside.status, beside.stdout, beside.attempts) == (OK, "beside it\n", 1)
+            assert_still_serving(client)
 
     def test_more_calls_than_capacity_queue(self, dispatcher: ThreadedServer) -> None:
         with SandboxClient(dispatcher.endpoint, timeout=30) as client:

@@ -1,4 +1,4 @@
-"""Unit tests (no server): LimitPolicy.resolve and backend.validate."""
+"""Unit tests (no server): LimitPolicy.resolve, backend.validate, gRPC message sizes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,13 @@ import math
 
 import pytest
 from kubestar.sandbox.backend import validate
-from kubestar.sandbox.limits import CallLimits, LimitPolicy, MiB
+from kubestar.sandbox.limits import (
+    MAX_MESSAGE_BYTES,
+    CallLimits,
+    LimitPolicy,
+    MiB,
+    message_options,
+)
 from kubestar.v1 import sandbox_pb2 as pb
 
 POLICY = LimitPolicy(
@@ -154,3 +160,26 @@ class TestValidate:
     def test_code_is_checked_before_limits(self) -> None:
         with pytest.raises(ValueError, match="code is empty"):
             validate(execution(code="", timeout_seconds=-1.0), POLICY)
+
+
+class TestMessageSize:
+    def test_the_largest_result_fits_in_a_message(self) -> None:
+        policy = LimitPolicy()
+        # stdout and stderr at the ceiling, each byte invalid UTF-8 (a 3-byte U+FFFD)
+        largest = pb.ExecutionResult(
+            id="x" * 64,
+            stdout="\ufffd" * policy.maximum.output_bytes,
+            stderr="\ufffd" * policy.maximum.output_bytes,
+            message="m" * 200,
+            executor="worker/executor-0/light",
+        )
+        assert largest.ByteSize() <= policy.max_result_bytes <= MAX_MESSAGE_BYTES
+        sizes = dict(message_options(policy))
+        assert sizes["grpc.max_receive_message_length"] == MAX_MESSAGE_BYTES
+        assert sizes["grpc.max_send_message_length"] == MAX_MESSAGE_BYTES
+
+    def test_higher_ceilings_raise_the_message_size(self) -> None:
+        policy = LimitPolicy(maximum=CallLimits(output_bytes=64 * MiB))
+        sizes = dict(message_options(policy))
+        assert sizes["grpc.max_receive_message_length"] == policy.max_result_bytes
+        assert policy.max_result_bytes > 2 * 3 * 64 * MiB

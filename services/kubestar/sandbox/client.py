@@ -7,15 +7,12 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
+from kubestar.sandbox.limits import MAX_MESSAGE_BYTES, message_options
 from kubestar.sandbox.metrics import status_label
 from kubestar.v1 import sandbox_pb2 as pb
 from kubestar.v1 import sandbox_pb2_grpc as pb_grpc
 
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-_CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-]
+_CHANNEL_OPTIONS = message_options()
 
 
 @dataclass(frozen=True)
@@ -146,4 +143,4 @@ class SandboxClient:
         self.close()
 
 
-__all__ = ["Call", "SandboxClient", "result_to_dict"]
+__all__ = ["MAX_MESSAGE_BYTES", "Call", "SandboxClient", "result_to_dict"]

@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kubestar.sandbox import metrics
 from kubestar.sandbox.backend import Backend, make_result, validate
-from kubestar.sandbox.limits import LimitPolicy
+from kubestar.sandbox.limits import LimitPolicy, message_options
 from kubestar.v1 import sandbox_pb2 as pb
 from kubestar.v1 import sandbox_pb2_grpc as pb_grpc
 
@@ -35,8 +35,13 @@ class WorkerLost(RuntimeError):
 class WorkerLink:
     """One worker: its capacity, the calls it runs now, and the stream they travel on."""
 
-    def __init__(self, endpoint: str, on_change: asyncio.Condition) -> None:
+    def __init__(
+        self, endpoint: str, on_change: asyncio.Condition, policy: LimitPolicy | None = None
+    ) -> None:
         self.endpoint = endpoint
+        # Large enough for the largest result the policy allows: a result over gRPC's default
+        # 4 MiB would break the stream, and with it every call running on the worker.
+        self._channel_options = message_options(policy)
         self.capacity = 0
         self.in_flight = 0
         self.ready = False
@@ -94,7 +99,9 @@ class WorkerLink:
             await asyncio.sleep(RECONNECT_SECONDS)
 
     async def _session(self) -> None:
-        async with grpc.aio.insecure_channel(self.endpoint) as channel:
+        async with grpc.aio.insecure_channel(
+            self.endpoint, options=self._channel_options
+        ) as channel:
             stub = pb_grpc.SandboxServiceStub(channel)
             capacity = await stub.GetCapacity(
                 pb.GetCapacityRequest(), timeout=CONNECT_TIMEOUT_SECONDS
@@ -161,7 +168,7 @@ class WorkerDispatcher(Backend):
         self.policy = policy or LimitPolicy()
         self.queue_timeout = queue_timeout
         self._changed = asyncio.Condition()
-        self.links = [WorkerLink(endpoint, self._changed) for endpoint in endpoints]
+        self.links = [WorkerLink(endpoint, self._changed, self.policy) for endpoint in endpoints]
         self._queued = 0
         self._draining = False
 

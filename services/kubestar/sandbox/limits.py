@@ -6,6 +6,17 @@ import math
 from dataclasses import dataclass
 
 MiB = 1024 * 1024
+# What every sandbox server and client lets one gRPC message be, sent or received, instead of
+# gRPC's default receive limit of 4 MiB (an over-size message fails the whole call or stream
+# it travels on: on the dispatcher's stream to a worker, every call running there). It holds
+# the largest result the default ceilings allow (see LimitPolicy.max_result_bytes); a policy
+# with higher ceilings raises it (message_options).
+MAX_MESSAGE_BYTES = 256 * MiB
+# A result's fields besides its output (id, message, executor name, numbers), with room.
+RESULT_OVERHEAD_BYTES = 64 * 1024
+# UTF-8 bytes one output byte may become: the worker decodes output as UTF-8, replacing each
+# invalid byte with U+FFFD (3 bytes).
+DECODED_BYTES_PER_OUTPUT_BYTE = 3
 
 
 @dataclass(frozen=True)
@@ -32,6 +43,13 @@ class LimitPolicy:
     max_file_bytes: int = 64 * MiB
     max_open_files: int = 256
 
+    @property
+    def max_result_bytes(self) -> int:
+        """The largest ExecutionResult a call within this policy can produce: stdout and
+        stderr both at the output ceiling, every byte invalid UTF-8."""
+        output = 2 * self.maximum.output_bytes * DECODED_BYTES_PER_OUTPUT_BYTE
+        return output + RESULT_OVERHEAD_BYTES
+
     def resolve(self, timeout_seconds: float, memory_bytes: int, output_bytes: int) -> CallLimits:
         """Fill zeros with defaults; raise ValueError naming the field for bad values."""
         values = {
@@ -54,3 +72,10 @@ class LimitPolicy:
             memory_bytes=int(resolved["memory_bytes"]),
             output_bytes=int(resolved["output_bytes"]),
         )
+
+
+def message_options(policy: LimitPolicy | None = None) -> list[tuple[str, int]]:
+    """gRPC options of a sandbox server or channel: messages up to MAX_MESSAGE_BYTES, or the
+    largest result `policy` allows if that is more."""
+    size = max(MAX_MESSAGE_BYTES, (policy or LimitPolicy()).max_result_bytes)
+    return [("grpc.max_receive_message_length", size), ("grpc.max_send_message_length", size)]

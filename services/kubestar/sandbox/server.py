@@ -13,6 +13,7 @@ from kubestar.common.net import check_can_listen, start_metrics_server
 from kubestar.sandbox.backend import Backend
 from kubestar.sandbox.dispatcher import WorkerDispatcher
 from kubestar.sandbox.executor import ExecutorConfig
+from kubestar.sandbox.limits import message_options
 from kubestar.sandbox.pool import ExecutorPool
 from kubestar.sandbox.service import SandboxServicer
 from kubestar.v1 import sandbox_pb2
@@ -21,8 +22,6 @@ from kubestar.v1 import sandbox_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = sandbox_pb2.DESCRIPTOR.services_by_name["SandboxService"].full_name
-# Batches of large outputs must fit in one message.
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
 @dataclass
@@ -51,11 +50,7 @@ class SandboxServer:
         self.config = config
         self.backend = build_backend(config)
         self.server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.so_reuseport", 0),
-            ]
+            options=[*message_options(config.executor.policy), ("grpc.so_reuseport", 0)]
         )
         self.health = health.aio.HealthServicer()
         self.port = 0
