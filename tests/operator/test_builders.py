@@ -14,9 +14,11 @@ from kubestar.api.v1alpha1 import (
     TrainingRunSpec,
     load_manifests,
 )
+from kubestar.cli.sandbox import serve_command
 from kubestar.operator import build_fleet, build_sandbox, build_trainer
 from kubestar.operator import objects as o
 from kubestar.operator.settings import OperatorSettings
+from pydantic import ValidationError
 
 from tests.operator.support import EXAMPLES, parent
 
@@ -391,3 +393,26 @@ def test_shared_checkpoints_reach_the_engines() -> None:
         OperatorSettings.model_validate(
             {"trainer": {"sharedCheckpoints": {"pvcClaimName": "a", "hostPath": "/b"}}}
         )
+
+
+def test_sandbox_workers_carry_the_isolation_setting() -> None:
+    pool = parent("SandboxPool", "pool")
+    settings = OperatorSettings()
+    required = containers(build_sandbox.worker_statefulset(pool, SandboxPoolSpec(), settings))[0]
+    assert SandboxPoolSpec().isolation == "Required"
+    assert "--no-isolation" not in required["command"]
+    # Why a worker could not start (one line) reaches the pod's status.
+    assert _flag(required["command"], "--termination-log") == required["terminationMessagePath"]
+    assert required["terminationMessagePolicy"] == "File"
+
+    disabled = SandboxPoolSpec.model_validate({"isolation": "Disabled"})
+    worker = containers(build_sandbox.worker_statefulset(pool, disabled, settings))[0]
+    assert "--no-isolation" in worker["command"]
+    dispatcher = containers(build_sandbox.dispatcher_deployment(pool, disabled, settings))[0]
+    assert "--no-isolation" not in dispatcher["command"]
+    # What the operator passes is what `kubestar sandbox serve` takes.
+    for command in (required["command"], worker["command"], dispatcher["command"]):
+        assert command[:3] == ["kubestar", "sandbox", "serve"]
+        serve_command.make_context("serve", command[3:])
+    with pytest.raises(ValidationError, match="isolation"):
+        SandboxPoolSpec.model_validate({"isolation": "off"})

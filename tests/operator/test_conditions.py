@@ -27,6 +27,7 @@ from kubestar.operator import trainingrun as tr
 from kubestar.operator.rolloutfleet import fleet_status
 from kubestar.operator.sandboxpool import pool_status
 from kubestar.operator.settings import OperatorSettings
+from kubestar.sandbox.executor import IsolationUnavailable
 from kubestar.training import progress
 
 from tests.operator.support import parent
@@ -134,6 +135,76 @@ def test_pool_status_counts_capacity_and_surfaces_problems() -> None:
     )
     assert ready.status == "False" and ready.reason == "ImagePullBackOff"
     assert status["readyReplicas"] == 1 and status["capacity"] == 4
+
+
+# A worker's termination message as `kubestar sandbox serve --termination-log` writes it.
+REFUSED = (
+    "sandbox isolation unavailable (worker/executor-0, as uid 65532): user and network "
+    "namespaces (without them calls reach the network): unshare(CLONE_NEWUSER|CLONE_NEWNET) "
+    "failed: EPERM (Operation not permitted): refused by a seccomp profile"
+)
+
+
+def test_a_worker_that_cannot_isolate_names_what_is_missing() -> None:
+    crash_loop = waiting("CrashLoopBackOff", "back-off 20s restarting failed container")
+    crash_loop["name"] = "worker"
+    crash_loop["lastState"] = {
+        "terminated": {
+            "exitCode": 1,
+            "reason": "Error",
+            "message": f"{IsolationUnavailable.reason}: {REFUSED}\n",
+        }
+    }
+    just_exited = {
+        "name": "worker",
+        "state": {"terminated": {"exitCode": 1, "message": f"IsolationUnavailable: {REFUSED}"}},
+    }
+    oom = waiting("CrashLoopBackOff")
+    oom["lastState"] = {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}
+    pods = [
+        pod("pool-sandbox-worker-0", containerStatuses=[crash_loop]),
+        pod("pool-sandbox-worker-1", containerStatuses=[just_exited]),
+        pod("pool-sandbox-worker-2", containerStatuses=[oom]),
+    ]
+    spec = SandboxPoolSpec(replicas=3)
+    status, ready = pool_status(
+        parent("SandboxPool", "pool"),
+        spec,
+        {"status": {"readyReplicas": 0}},
+        {"status": {"readyReplicas": 1}},
+        pods,
+        OperatorSettings(),
+    )
+    assert (ready.status, ready.reason) == ("False", Reason.ISOLATION_UNAVAILABLE)
+    assert IsolationUnavailable.reason == Reason.ISOLATION_UNAVAILABLE  # the worker's word
+    # Workers failing the same way are one line; the worker's own words, whole.
+    first, second = ready.message.split("; ")[:2]
+    assert first == (
+        "pods pool-sandbox-worker-0, pool-sandbox-worker-1: IsolationUnavailable: "
+        f"container worker: {REFUSED}"
+    )
+    assert second.startswith("pod pool-sandbox-worker-2: OOMKilled: ")
+    assert status["isolation"] == "Required" and status["capacity"] == 0
+    # A termination message that names no reason kubestar states stays a crash loop, and
+    # the message is passed on.
+    crash_loop["lastState"]["terminated"]["message"] = "127.0.0.1:50052: port in use\n"
+    (problem,) = cond.diagnose([pod("p", containerStatuses=[crash_loop])])
+    assert problem.reason == Reason.CRASH_LOOP_BACK_OFF
+    assert "last exit code 1 (Error): 127.0.0.1:50052: port in use; back-off" in problem.message
+
+
+def test_pool_without_isolation_says_so() -> None:
+    spec = SandboxPoolSpec.model_validate({"isolation": "Disabled"})
+    status, ready = pool_status(
+        parent("SandboxPool", "pool"),
+        spec,
+        {"status": {"readyReplicas": 1}},
+        {"status": {"readyReplicas": 1}},
+        [],
+        OperatorSettings(),
+    )
+    assert ready.status == "True" and "calls are not isolated" in ready.message
+    assert status["isolation"] == "Disabled"
 
 
 def test_fleet_status_reports_engines_and_kv_capacity() -> None:

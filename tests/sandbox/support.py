@@ -169,14 +169,19 @@ class ServerProcess:
         worker: bool = True,
         port: int | None = None,
         terminal: str | None = None,
+        prefix: Sequence[str] = (),
     ) -> None:
         """`terminal`: a terminal device to start the server on, as its controlling
-        terminal (as from an interactive shell)."""
+        terminal (as from an interactive shell). `prefix`: a command that runs the server
+        (tests.sandbox.unprivileged)."""
         self.port = port or free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
-        command = cli_command(
-            "sandbox", "serve", "--listen", self.endpoint, "--log-level", "info", *args
-        )
+        command = [
+            *prefix,
+            *cli_command(
+                "sandbox", "serve", "--listen", self.endpoint, "--log-level", "info", *args
+            ),
+        ]
         if worker:
             command += [
                 "--executors",

@@ -100,6 +100,9 @@ class Reason(StrEnum):
     UNSCHEDULABLE = "Unschedulable"
     # A container exited with a non-zero code.
     CONTAINER_ERROR = "Error"
+    # A sandbox worker cannot set up the isolation spec.isolation asks for (its termination
+    # message, passed on, names the namespace, the failed system call and why).
+    ISOLATION_UNAVAILABLE = "IsolationUnavailable"
 
     # TrainingRun, SpecAccepted.
     ACCEPTED = "Accepted"

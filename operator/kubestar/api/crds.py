@@ -226,6 +226,7 @@ KINDS: list[Kind] = [
             {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
             {"name": "Available", "type": "integer", "jsonPath": ".status.readyReplicas"},
             {"name": "Capacity", "type": "integer", "jsonPath": ".status.capacity"},
+            {"name": "Isolation", "type": "string", "jsonPath": ".status.isolation"},
             {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"},
             _age(),
         ],

@@ -135,6 +135,14 @@ class SandboxPoolSpec(Spec):
         "kernel-level isolation of untrusted code in production. Unset: the cluster's default "
         "runtime.",
     )
+    isolation: Literal["Required", "Disabled"] = Field(
+        "Required",
+        description="Whether workers must isolate every call in namespaces of its own. "
+        "Required: a worker that cannot (the node or the container's seccomp profile refuses "
+        "a namespace) does not start, and the Ready condition says IsolationUnavailable, "
+        "naming the namespace, the system call that failed and why. Disabled: calls run "
+        "without namespaces and can reach the pod's network; for development only.",
+    )
     port: int = Field(
         50051,
         ge=1,
@@ -511,6 +519,20 @@ class TrainerSpec(Spec):
         description="Where the trainer computes: cuda (NVIDIA or ROCm GPUs), cpu, or auto (a "
         "GPU when one is visible).",
     )
+    processes_per_worker: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Training processes per trainer pod, one per accelerator: the model, "
+        "gradients and optimizer state are sharded (FSDP2) over all of them, and rank 0 drives "
+        "rollouts, status and checkpoints. `kubestar train -f` starts them on the local "
+        "machine; in a cluster the trainer refuses more than 1 for now.",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer's activations in the backward pass instead "
+        "of keeping them: less memory, about a third more compute. The update is the same.",
+    )
     data_pvc_claim_name: str | None = Field(
         None,
         description="A PersistentVolumeClaim holding dataset files, mounted read-only at "
@@ -707,6 +729,11 @@ class SandboxPoolStatus(Spec):
     endpoint: str = Field(
         "",
         description="HOST:PORT of the dispatcher's gRPC service, where tool calls are sent.",
+    )
+    isolation: str = Field(
+        "",
+        description="The isolation the workers run with (spec.isolation): Required, or "
+        "Disabled (calls are not isolated).",
     )
     conditions: list[Condition] = _conditions()
 

@@ -4,6 +4,10 @@ Service (stable names the dispatcher dials), a dispatcher Deployment and its Ser
 Worker pods mount no service-account token, run as non-root with a read-only root
 filesystem (writable /tmp only), drop every capability, and take the pool's runtimeClassName
 (gVisor, Kata) when set. Workers listen on `spec.port + 1`, the dispatcher on `spec.port`.
+
+A worker that cannot isolate its calls (spec.isolation: Required) exits with one line in its
+termination message, which the kubelet puts in the pod's status and the SandboxPool's Ready
+condition passes on (see conditions.diagnose_pod).
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from kubestar.operator.settings import OperatorSettings
 
 WORKER = "sandbox-worker"
 DISPATCHER = "sandbox-dispatcher"
+# Where a sandbox server writes why it could not start; Kubernetes' default path, named in
+# the container so that the server's --termination-log and the kubelet agree.
+TERMINATION_LOG = "/dev/termination-log"
 
 
 def worker_name(pool: str) -> str:
@@ -88,7 +95,9 @@ def _container(
         "name": name,
         "image": spec.image or settings.images.kubestar,
         "imagePullPolicy": settings.images.pull_policy,
-        "command": ["kubestar", "sandbox", "serve", *args],
+        "command": ["kubestar", "sandbox", "serve", *args, "--termination-log", TERMINATION_LOG],
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "File",
         "ports": [
             {"name": "grpc", "containerPort": port, "protocol": "TCP"},
             {"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"},
@@ -130,6 +139,8 @@ def worker_statefulset(
         "--metrics-address",
         bind,
     ]
+    if spec.isolation == "Disabled":
+        args.append("--no-isolation")
     container = _container("worker", spec, settings, args, port, metrics)
     container["resources"] = o.resources(spec.resources.requests, spec.resources.limits)
     selector = o.selector_labels("SandboxPool", name, WORKER)

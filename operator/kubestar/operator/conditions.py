@@ -25,8 +25,12 @@ STUCK_WAITING = {
     Reason.CREATE_CONTAINER_ERROR,
     Reason.RUN_CONTAINER_ERROR,
 }
+# Reasons a kubestar container states itself, as the first word of its termination message
+# ("IsolationUnavailable: ..."): more precise than the crash loop the exit then causes.
+STATED_REASONS = {Reason.ISOLATION_UNAVAILABLE}
 # Worst first: the reason a condition shows when several pods have problems.
 SEVERITY = [
+    Reason.ISOLATION_UNAVAILABLE,
     Reason.OOM_KILLED,
     Reason.CRASH_LOOP_BACK_OFF,
     Reason.IMAGE_PULL_BACK_OFF,
@@ -58,8 +62,9 @@ class Problem:
     reason: str
     message: str
 
-    def describe(self) -> str:
-        return f"pod {self.pod}: {self.reason}: {self.message}".rstrip(": ")
+
+# A stated reason's message names what is missing and why: longer than the kubelet's lines.
+STATED_MESSAGE_LIMIT = 1000
 
 
 def _short(text: str, limit: int = 300) -> str:
@@ -67,9 +72,17 @@ def _short(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def stated_reason(terminated: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(reason, message) a container wrote in its termination message, if it names one of
+    STATED_REASONS."""
+    reason, _, message = (terminated.get("message") or "").strip().partition(": ")
+    return (reason, message) if reason in STATED_REASONS and message else None
+
+
 def diagnose_pod(pod: Mapping[str, Any]) -> list[Problem]:
-    """Why a pod is not (or will not be) running: image pulls, crash loops, OOM kills,
-    scheduling (with lack of GPUs named as such)."""
+    """Why a pod is not (or will not be) running: a reason its container stated on exit
+    (IsolationUnavailable), image pulls, crash loops, OOM kills, scheduling (with lack of
+    GPUs named as such)."""
     name = pod.get("metadata", {}).get("name", "?")
     status = pod.get("status") or {}
     problems: list[Problem] = []
@@ -85,7 +98,16 @@ def diagnose_pod(pod: Mapping[str, Any]) -> list[Problem]:
         terminated = state.get("terminated") or {}
         last_terminated = last.get("terminated") or {}
         oom = Reason.OOM_KILLED
-        if terminated.get("reason") == oom or last_terminated.get("reason") == oom:
+        stated = stated_reason(terminated) or stated_reason(last_terminated)
+        if stated:
+            problems.append(
+                Problem(
+                    name,
+                    stated[0],
+                    _short(f"container {cname}: {stated[1]}", limit=STATED_MESSAGE_LIMIT),
+                )
+            )
+        elif terminated.get("reason") == oom or last_terminated.get("reason") == oom:
             problems.append(
                 Problem(
                     name,
@@ -97,9 +119,12 @@ def diagnose_pod(pod: Mapping[str, Any]) -> list[Problem]:
         elif waiting.get("reason") in STUCK_WAITING:
             message = waiting.get("message") or ""
             if waiting["reason"] == Reason.CRASH_LOOP_BACK_OFF and last_terminated:
+                # What the container said as it exited (its termination message), if anything.
+                said = (last_terminated.get("message") or "").strip()
                 message = (
                     f"last exit code {last_terminated.get('exitCode')}"
-                    f" ({last_terminated.get('reason', 'Error')}); {message}"
+                    f" ({last_terminated.get('reason', 'Error')}){': ' + said if said else ''};"
+                    f" {message}"
                 )
             who = f"container {cname}"
             image = item.get("image") or ""
@@ -149,9 +174,17 @@ def summarize(problems: list[Problem], limit: int = 3) -> tuple[str, str]:
     """(reason, message) for a condition: the worst problem's reason, up to `limit` lines."""
     if not problems:
         return "", ""
-    lines = [p.describe() for p in problems[:limit]]
-    if len(problems) > limit:
-        lines.append(f"and {len(problems) - limit} more")
+    # Pods failing the same way (every worker of a pool on a node that refuses namespaces)
+    # make one line that names them all.
+    pods_by_problem: dict[tuple[str, str], list[str]] = {}
+    for problem in problems:
+        pods_by_problem.setdefault((problem.reason, problem.message), []).append(problem.pod)
+    lines = [
+        f"pod{'s' if len(pods) > 1 else ''} {', '.join(pods)}: {reason}: {message}".rstrip(": ")
+        for (reason, message), pods in list(pods_by_problem.items())[:limit]
+    ]
+    if len(pods_by_problem) > limit:
+        lines.append(f"and {len(pods_by_problem) - limit} more")
     return problems[0].reason, "; ".join(lines)
 
 

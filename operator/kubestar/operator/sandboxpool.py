@@ -1,7 +1,7 @@
 """SandboxPool: reconciles the pool's workers, dispatcher and Services, and reports
-readyReplicas, capacity (ready workers x executors per pod), the dispatcher's endpoint and a
-Ready condition that names what is wrong with any pod (image pulls, crash loops, OOM kills,
-scheduling)."""
+readyReplicas, capacity (ready workers x executors per pod), the dispatcher's endpoint, the
+isolation the workers run with, and a Ready condition that names what is wrong with any pod
+(image pulls, crash loops, OOM kills, scheduling, a worker that cannot isolate its calls)."""
 
 from __future__ import annotations
 
@@ -50,11 +50,16 @@ def pool_status(
             ConditionType.READY, False, Reason.NO_REPLICAS, "spec.replicas is 0", generation
         )
     elif ready_workers >= spec.replicas and ready_dispatchers >= 1:
+        unisolated = (
+            "; isolation Disabled: calls are not isolated (development only)"
+            if spec.isolation == "Disabled"
+            else ""
+        )
         ready = condition(
             ConditionType.READY,
             True,
             Reason.READY,
-            f"{ready_workers} worker(s) with {spec.executors_per_pod} executors each",
+            f"{ready_workers} worker(s) with {spec.executors_per_pod} executors each{unisolated}",
             generation,
         )
     elif reason:
@@ -74,6 +79,7 @@ def pool_status(
         "readyReplicas": ready_workers,
         "capacity": ready_workers * spec.executors_per_pod if ready_dispatchers else 0,
         "endpoint": build_sandbox.endpoint(meta["name"], meta["namespace"], spec, settings),
+        "isolation": spec.isolation,
     }
     return status, ready
 

@@ -8,6 +8,7 @@ import sys
 from typing import TextIO
 
 import click
+from kubestar.cli.errors import describe
 from kubestar.common import logs
 from kubestar.sandbox.client import Call, SandboxClient, result_to_dict
 from kubestar.sandbox.executor import DEFAULT_WARMUP, ExecutorConfig
@@ -59,7 +60,12 @@ def sandbox() -> None:
 )
 @click.option("--metrics-port", default=0, help="Prometheus metrics port (0: off).")
 @click.option("--metrics-address", default="127.0.0.1", show_default=True)
-@click.option("--no-isolation", is_flag=True, help="Run calls without namespaces (debug only).")
+@click.option(
+    "--no-isolation",
+    is_flag=True,
+    help="Run calls without namespaces, for development only. Without it a worker that "
+    "cannot isolate its calls refuses to serve.",
+)
 @click.option("--hide", multiple=True, help="Extra path hidden from calls (repeatable).")
 @click.option(
     "--uid-base",
@@ -72,6 +78,13 @@ def sandbox() -> None:
     default=30.0,
     show_default=True,
     help="On SIGTERM, how long running calls may finish.",
+)
+@click.option(
+    "--termination-log",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write why the server could not start, in one line, to this file (Kubernetes "
+    "shows it in the pod's status: the container's terminationMessagePath).",
 )
 @click.option("--log-level", default="info", show_default=True)
 def serve_command(
@@ -87,6 +100,7 @@ def serve_command(
     hide: tuple[str, ...],
     uid_base: int,
     drain_seconds: float,
+    termination_log: str | None,
     log_level: str,
 ) -> None:
     """Serve the sandbox: a worker (default) or, with --worker, a dispatcher."""
@@ -111,7 +125,24 @@ def serve_command(
         metrics_address=metrics_address,
         drain_seconds=drain_seconds,
     )
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except Exception as error:
+        if termination_log:
+            write_termination_message(termination_log, error)
+        raise
+
+
+def write_termination_message(path: str, error: Exception) -> None:
+    """One line: `Reason: message` for errors that name a reason the operator shows as a
+    condition (IsolationUnavailable), else the message the CLI prints."""
+    reason = getattr(error, "reason", "")
+    line = f"{reason}: {describe(error)}" if reason else describe(error)
+    try:
+        with open(path, "w") as handle:
+            handle.write(line + "\n")
+    except OSError as failure:  # the error itself is still printed
+        click.echo(f"kubestar: cannot write {path}: {failure.strerror}", err=True)
 
 
 @sandbox.command("exec")

@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubestar.common.errors import KubestarError
 from kubestar.sandbox import _forkserver, metrics
 from kubestar.sandbox.limits import CallLimits, LimitPolicy
 from kubestar.sandbox.zygote import HEADER_BYTES
@@ -67,6 +68,23 @@ numpy.linalg.solve(numpy.eye(3), numpy.ones(3)); numpy.arange(10).sum()
 
 class ExecutorDied(RuntimeError):
     """The executor process went away while (or before) running a call."""
+
+
+class IsolationUnavailable(KubestarError):
+    """An executor could not set up the isolation its configuration asks for: the worker
+    refuses to serve. The message names what is missing, which system call failed and why."""
+
+    # How a worker's termination message starts (`kubestar sandbox serve --termination-log`),
+    # so that the operator can name the cause in the SandboxPool's Ready condition.
+    reason = "IsolationUnavailable"
+
+    def __init__(self, executor: str, missing: str) -> None:
+        who = "root" if os.geteuid() == 0 else f"uid {os.geteuid()}"
+        super().__init__(
+            f"sandbox isolation unavailable ({executor}, as {who}): {missing}; not serving "
+            "without it (for development only: --no-isolation, or spec.isolation: Disabled "
+            "in a SandboxPool)"
+        )
 
 
 @dataclass(frozen=True)
@@ -268,6 +286,9 @@ class ZygoteProcess:
         loop = asyncio.get_running_loop()
         _, self._channel = await loop.create_connection(lambda: ZygoteChannel(self.name), sock=ours)
         ready = await asyncio.wait_for(self._channel.ready, START_TIMEOUT_SECONDS)
+        if not ready["ready"]:
+            await self.stop()
+            raise IsolationUnavailable(self.name, ready["error"])
         self.isolation = ready["isolation"]
         self.code_in_huge_pages = ready["code_in_huge_pages"]
 

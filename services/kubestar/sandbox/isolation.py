@@ -9,8 +9,12 @@ and one end of a socketpair. Isolation is paid once per executor, not per call:
   loopback, and private empty tmpfs on /tmp, /var/tmp, /dev/shm and over secret paths.
   Each call runs as this executor's own unprivileged uid, so it cannot signal the zygote,
   read the service's environment or files, or touch another executor's calls.
-- not root: a user + network namespace where the kernel allows it (no network), else nothing;
-  the worker logs which isolation is active.
+- not root: a user + network namespace (no network); calls run as the service's uid.
+
+Fail closed: when what the configuration asks for cannot be had (a namespace refused, a mount
+that fails, no separate uid as root), this stage sends the worker one line naming what is
+missing, which system call failed and why, and exits; the worker then refuses to serve.
+`--no-isolation` (development only) asks for nothing.
 
 Then it execs zygote.py, a fresh interpreter that keeps the namespaces, mounts, CPU affinity
 and subreaper flag but none of this stage's modules (argparse, ctypes, ...): every call forks
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import errno
 import fcntl
 import marshal
 import os
@@ -31,6 +36,8 @@ import sys
 import termios
 from pathlib import Path
 from typing import Any
+
+from kubestar.sandbox.zygote import encode_message
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
@@ -48,6 +55,8 @@ MS_REC = 0x4000
 MS_PRIVATE = 0x40000
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+# The exit code of an executor that could not isolate itself.
+ISOLATION_FAILED_EXIT = 3
 # Paths that commonly hold credentials; hidden behind an empty tmpfs when they exist.
 # Root's home holds kubeconfigs, cloud and SSH credentials; the others are Kubernetes' and
 # Docker's secret mounts.
@@ -76,10 +85,43 @@ def leave_controlling_terminal() -> None:
         os.close(tty)
 
 
+class IsolationFailed(RuntimeError):
+    """What the configuration asks for cannot be had; the message names what is missing,
+    which system call failed and why."""
+
+
+# Why a namespace or mount call fails, by errno: what a person can change.
+_WHY = {
+    errno.EPERM: "refused by a seccomp profile (container runtimes' default profiles refuse "
+    "it without CAP_SYS_ADMIN), a security module, or kernel.unprivileged_userns_clone=0",
+    errno.EACCES: "refused by a security module",
+    errno.ENOSPC: "a namespace count limit is reached (user.max_user_namespaces and the "
+    "like; 0 turns that namespace off)",
+    errno.EUSERS: "user namespaces are nested too deeply",
+    errno.EINVAL: "the kernel lacks this namespace type",
+    errno.ENOMEM: "the kernel is out of memory",
+}
+
+
+# As root, the kernel itself does not refuse: a container without CAP_SYS_ADMIN, or a filter.
+_WHY_AS_ROOT = {
+    **_WHY,
+    errno.EPERM: "CAP_SYS_ADMIN is missing (dropped by the container), or a seccomp profile "
+    "or a security module refuses it",
+}
+
+
+def _failure(call: str, code: int, why_by_errno: dict[int, str] = _WHY) -> str:
+    """`call` failed with errno `code`, and why, as one phrase."""
+    name = errno.errorcode.get(code, str(code))
+    why = why_by_errno.get(code)
+    return f"{call} failed: {name} ({os.strerror(code)}){': ' + why if why else ''}"
+
+
 def _check(result: int, what: str) -> None:
     if result != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+        code = ctypes.get_errno()
+        raise OSError(code, _failure(what, code, _WHY_AS_ROOT))
 
 
 def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None) -> None:
@@ -91,7 +133,7 @@ def _mount(source: str, target: str, fstype: str | None, flags: int, data: str |
             ctypes.c_ulong(flags),
             data.encode() if data else None,
         ),
-        f"mount {target}",
+        f"mount({target})",
     )
 
 
@@ -116,38 +158,54 @@ class Isolation:
 
 
 def isolate(uid: int, hidden_paths: list[str]) -> Isolation:
-    """Enter namespaces. As root this forks: the caller continues as PID 1 of a new namespace."""
+    """Enter namespaces, or raise IsolationFailed. As root this forks: the caller continues
+    as PID 1 of a new namespace.
+
+    As root every call must be kept off the network, out of the host's mounts and processes,
+    and run as a uid of its own; not as root, off the network (a user namespace is what lets
+    an unprivileged process make a network namespace).
+    """
     isolation = Isolation()
     if os.geteuid() == 0:
+        if uid <= 0:
+            raise IsolationFailed(
+                f"a separate uid for calls: this executor's uid would be {uid} (root); "
+                "give a --uid-base above 0"
+            )
         flags = CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
         if _libc.unshare(flags) != 0:
-            isolation.notes.append(f"unshare failed: {os.strerror(ctypes.get_errno())}")
-        else:
-            _become_namespace_init()
-            isolation.network = True
-            isolation.pid_namespace = True
-            _setup_mounts(isolation, hidden_paths)
-        isolation.separate_uid = uid > 0
-        if not isolation.separate_uid:
-            isolation.notes.append("no unprivileged uid configured: calls run as root")
+            call = "unshare(CLONE_NEWNET|CLONE_NEWNS|CLONE_NEWPID|CLONE_NEWIPC|CLONE_NEWUTS)"
+            raise IsolationFailed(
+                "network, mount, PID, IPC and UTS namespaces: "
+                + _failure(call, ctypes.get_errno(), _WHY_AS_ROOT)
+            )
+        _become_namespace_init()
+        isolation.network = True
+        isolation.pid_namespace = True
+        _setup_mounts(isolation, hidden_paths)
+        isolation.separate_uid = True
         return isolation
 
     isolation.notes.append("not root: calls run as the service's uid")
     real_uid, real_gid = os.getuid(), os.getgid()
-    if _libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0:
-        for path, text in (
-            ("/proc/self/setgroups", "deny"),
-            ("/proc/self/uid_map", f"{real_uid} {real_uid} 1"),
-            ("/proc/self/gid_map", f"{real_gid} {real_gid} 1"),
-        ):
+    if _libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
+        raise IsolationFailed(
+            "user and network namespaces (without them calls reach the network): "
+            + _failure("unshare(CLONE_NEWUSER|CLONE_NEWNET)", ctypes.get_errno())
+        )
+    for path, text in (
+        ("/proc/self/setgroups", "deny"),
+        ("/proc/self/uid_map", f"{real_uid} {real_uid} 1"),
+        ("/proc/self/gid_map", f"{real_gid} {real_gid} 1"),
+    ):
+        try:
             with open(path, "w") as handle:
                 handle.write(text)
-        isolation.network = True
-    else:
-        isolation.notes.append(
-            "user namespaces unavailable "
-            f"({os.strerror(ctypes.get_errno())}): calls can reach the network"
-        )
+        except OSError as error:
+            raise IsolationFailed(
+                f"user namespace: writing {path} failed: {error.strerror}"
+            ) from None
+    isolation.network = True
     # Orphans of a call re-parent to the zygote so it can reap and kill them.
     _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     return isolation
@@ -236,7 +294,8 @@ def _setup_mounts(isolation: Isolation, hidden_paths: list[str]) -> None:
             elif os.path.isfile(path):
                 _mount("/dev/null", path, None, MS_BIND, None)
     except OSError as error:
-        isolation.notes.append(f"mount setup incomplete: {error}")
+        where = f"{error.filename}: " if error.filename else ""
+        raise IsolationFailed(f"mount namespace: {where}{error.strerror}") from None
 
 
 def main() -> None:
@@ -261,11 +320,15 @@ def main() -> None:
             os.sched_setaffinity(0, {args.cpu})
 
     if args.no_isolation:
-        isolation = Isolation()
-        isolation.notes.append("isolation disabled by configuration")
+        isolation = Isolation()  # nothing: the worker says so when it starts
         _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     else:
-        isolation = isolate(args.uid, args.hide)
+        try:
+            isolation = isolate(args.uid, args.hide)
+        except IsolationFailed as error:
+            # The worker reads this instead of the zygote's ready message and refuses to serve.
+            os.write(args.fd, encode_message({"ready": False, "error": str(error)}))
+            sys.exit(ISOLATION_FAILED_EXIT)
     settings: dict[str, Any] = {
         "uid": args.uid,
         "preload": [m for m in args.preload.split(",") if m],

@@ -13,7 +13,12 @@ from typing import Any
 
 from kubestar.sandbox import metrics
 from kubestar.sandbox.backend import Backend, make_result, validate
-from kubestar.sandbox.executor import Executor, ExecutorConfig, ExecutorDied
+from kubestar.sandbox.executor import (
+    Executor,
+    ExecutorConfig,
+    ExecutorDied,
+    IsolationUnavailable,
+)
 from kubestar.sandbox.limits import LimitPolicy
 from kubestar.v1 import sandbox_pb2 as pb
 
@@ -76,7 +81,16 @@ class ExecutorPool(Backend):
         return self._queued
 
     async def start(self) -> None:
-        await asyncio.gather(*(executor.start() for executor in self.executors))
+        """Start every executor; if one cannot (IsolationUnavailable first), stop them all and
+        raise: a worker serves with all its isolation or not at all."""
+        started = await asyncio.gather(
+            *(executor.start() for executor in self.executors), return_exceptions=True
+        )
+        failures = [error for error in started if isinstance(error, BaseException)]
+        if failures:
+            await self.stop()
+            refused = [error for error in failures if isinstance(error, IsolationUnavailable)]
+            raise (refused or failures)[0]
         for executor in self.executors:
             self._release(executor)
         isolation = self.executors[0].isolation
@@ -92,6 +106,11 @@ class ExecutorPool(Backend):
                 }
             },
         )
+        if not self.config.isolation:
+            log.warning(
+                "sandbox isolation is off (--no-isolation): calls share this worker's network, "
+                "files, processes and uid; for development only"
+            )
         for note in isolation.get("notes", []):
             log.warning("sandbox isolation: %s", note)
         metrics.CAPACITY.set(self.capacity)

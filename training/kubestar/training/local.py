@@ -43,10 +43,14 @@ class LocalSandbox:
     # None and "": the server's own defaults.
     queue_timeout_seconds: float | None = None
     log_level: str = ""
+    # False only where the pool says isolation: Disabled (development).
+    isolation: bool = True
 
     def serve_args(self, listen: str) -> list[str]:
         args = ["sandbox", "serve", "--listen", listen, "--executors", str(self.executors)]
         args += ["--preload", ",".join(self.preload)]
+        if not self.isolation:
+            args.append("--no-isolation")
         if self.queue_timeout_seconds is not None:
             args += ["--queue-timeout", str(self.queue_timeout_seconds)]
         if self.log_level:
@@ -115,6 +119,7 @@ class LocalStack:
                 executors=pool_spec.executors_per_pod * max(pool_spec.replicas, 1),
                 preload=tuple(pool_spec.preload),
                 queue_timeout_seconds=pool_spec.queue_timeout_seconds,
+                isolation=pool_spec.isolation != "Disabled",
             ),
             engines=[
                 EngineSettings(

@@ -1,0 +1,126 @@
+"""A worker serves with the isolation its configuration asks for, or not at all.
+
+Workers run here as sandbox pods run them: as a non-root uid, under a seccomp filter that
+refuses new namespaces as container runtimes' default profiles do (tests.sandbox.unprivileged).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from kubestar.sandbox.client import SandboxClient
+from kubestar.v1 import sandbox_pb2 as pb
+
+from tests.sandbox.support import (
+    REPO,
+    ServerProcess,
+    descendants,
+    process_alive,
+    requires_root,
+)
+
+# The uid sandbox pods run as (the chart's default).
+POD_UID = "65532"
+# Long enough for executors to start (no numpy or sympy); a worker still running then serves.
+EXIT_WITHIN_SECONDS = 30.0
+
+
+def unprivileged(*options: str) -> list[str]:
+    """The command prefix that runs a server with `options` (see tests.sandbox.unprivileged);
+    skips the test where this machine cannot do that."""
+    prefix = [sys.executable, "-m", "tests.sandbox.unprivileged", *options, "--"]
+    probe = subprocess.run(
+        [*prefix, "true"], cwd=REPO, capture_output=True, text=True, timeout=30, check=False
+    )
+    if probe.returncode != 0:
+        pytest.skip(probe.stderr.strip() or f"{prefix} failed")
+    return prefix
+
+
+def wait_for_exit(server: ServerProcess) -> tuple[int, set[int]]:
+    """The server's exit code, and every process it started on the way; fails the test if it
+    is still running (serving) after EXIT_WITHIN_SECONDS."""
+    started: set[int] = set()
+    deadline = time.monotonic() + EXIT_WITHIN_SECONDS
+    while (code := server.process.poll()) is None:
+        if time.monotonic() > deadline:
+            server.stop()
+            pytest.fail(f"the worker did not refuse to serve; its log:\n{server.log()}")
+        started.update(descendants(server.pid))
+        time.sleep(0.02)
+    return code, started
+
+
+@pytest.mark.parametrize(
+    ("options", "missing"),
+    [
+        (["--uid", POD_UID, "--deny-namespaces"], "user and network namespaces"),
+        pytest.param(
+            ["--deny-namespaces"],
+            "network, mount, PID, IPC and UTS namespaces",
+            marks=requires_root,
+        ),
+    ],
+    ids=["non-root", "root"],
+)
+def test_a_worker_that_cannot_isolate_refuses_to_serve(
+    log_dir: Path, tmp_path: Path, options: list[str], missing: str
+) -> None:
+    termination_log = tmp_path / "termination-log"
+    server = ServerProcess(
+        log_dir, "--termination-log", str(termination_log), prefix=unprivileged(*options)
+    )
+    code, started = wait_for_exit(server)
+    log = server.log()
+    assert code != 0, log
+    assert "sandbox serving" not in log and "Traceback" not in log, log
+    (error,) = [line for line in log.splitlines() if line.startswith("kubestar: error: ")]
+    reason = error.removeprefix("kubestar: error: ")
+    # Which isolation is missing, which system call failed, and why.
+    assert reason.startswith("sandbox isolation unavailable"), reason
+    assert missing in reason, reason
+    assert "unshare(CLONE_NEW" in reason and "EPERM (Operation not permitted" in reason, reason
+    assert "seccomp" in reason and "--no-isolation" in reason, reason
+    # What the kubelet passes on to the pod's status, and the operator to the condition.
+    assert termination_log.read_text() == f"IsolationUnavailable: {reason}\n"
+    # The executors that did start were stopped with the worker.
+    assert [pid for pid in started if process_alive(pid)] == []
+
+
+def test_without_isolation_when_told(log_dir: Path) -> None:
+    server = ServerProcess(
+        log_dir, "--no-isolation", prefix=unprivileged("--uid", POD_UID, "--deny-namespaces")
+    )
+    try:
+        server.wait_ready()
+        with SandboxClient(server.endpoint, timeout=30) as client:
+            result = client.execute("import os\nprint(os.geteuid())")
+        assert (result.status, result.stdout) == (pb.EXECUTION_STATUS_OK, f"{POD_UID}\n")
+        assert "sandbox isolation is off (--no-isolation)" in server.log()
+    finally:
+        server.stop()
+
+
+def test_non_root_with_user_namespaces_keeps_calls_off_the_network(log_dir: Path) -> None:
+    server = ServerProcess(log_dir, prefix=unprivileged("--uid", POD_UID))
+    try:
+        server.wait_ready()
+        code = (
+            "import socket\n"
+            "try:\n"
+            f"    socket.create_connection(('127.0.0.1', {server.port}), timeout=2)\n"
+            "    print('connected')\n"
+            "except OSError as error:\n"
+            "    print(type(error).__name__)\n"
+        )
+        with SandboxClient(server.endpoint, timeout=30) as client:
+            result = client.execute(code)
+        assert result.status == pb.EXECUTION_STATUS_OK, result
+        assert result.stdout != "connected\n", result
+        assert "isolation is off" not in server.log()
+    finally:
+        server.stop()
