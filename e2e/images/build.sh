@@ -11,18 +11,23 @@
 #   1. kubestar/kubestar-base:<base key>: `debootstrap --variant=minbase bookworm` (the
 #      runtime libraries Python and the wheels need) into $KUBESTAR_ROOTFS_CACHE
 #      (~/.cache/kubestar/rootfs/bookworm-minbase, reused), then ONE tar stream of that root
-#      plus, at the SAME absolute paths as on this machine (so the venv's shebangs and its
-#      editable install work unchanged), the Python the venv was made from (readlink -f
-#      $VENV/bin/python: its prefix, less its own site-packages and test suite) and the
-#      project venv ($KUBESTAR_VENV, default the checkout's .venv: torch, vLLM's CPU build,
-#      Ray, kubestar editable), and the model cache (~/.cache/kubestar/models:
+#      plus the Python the venv was made from (readlink -f $VENV/bin/python: its prefix, less
+#      its own site-packages and test suite) at the same absolute path as on this machine,
+#      the project venv ($KUBESTAR_VENV, default the checkout's .venv: torch, vLLM's CPU
+#      build, Ray, kubestar editable) moved to /opt/kubestar/venv, and the model cache
+#      (~/.cache/kubestar/models:
 #      SmolLM2-135M-Instruct, prepared first if missing, and the tiny test models) at
 #      /opt/kubestar/cache/models with KUBESTAR_CACHE set, so that
 #      kubestar.engine.models.resolve_model finds them; `docker import` reads the stream.
 #      HOME=/tmp (pods run as non-root uids), Hugging Face offline.
 #   2. kubestar/kubestar:dev: FROM that base, the package sources the editable install points
 #      at (operator/, services/, training/, protos/ package folders, generated gRPC stubs
-#      included) as one small layer, by the classic builder (DOCKER_BUILDKIT=0).
+#      included) moved to /opt/kubestar/src, with the venv's scripts and editable-install
+#      finder rewritten for the new paths, as one small layer, by the classic builder
+#      (DOCKER_BUILDKIT=0).
+#
+# Why moved: the checkout may be anywhere (under /tmp, say), and pods mount an emptyDir over
+# /tmp; a venv or sources kept at such a path would vanish in every pod.
 #
 # Keys: the base key hashes this script, the base root's recipe and the listings (path, size,
 # mtime) of the Python prefix, the venv and the models; the image's content key hashes the
@@ -36,7 +41,7 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-ROOT="$(cd "$HERE/../.." && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd -P)"
 IMAGE="${KUBESTAR_IMAGE:-kubestar/kubestar:dev}"
 # The big layer (Debian root, Python, venv, models), tagged by its own key.
 BASE_IMAGE="${KUBESTAR_BASE_IMAGE:-kubestar/kubestar-base}"
@@ -51,7 +56,9 @@ SUITE=bookworm
 # OpenMP, NUMA for vLLM's CPU build), certificates, and ps for debugging.
 BASE_PACKAGES="libssl3,libffi8,libsqlite3-0,libbz2-1.0,liblzma5,zlib1g,libreadline8,libncursesw6,libuuid1,libexpat1,libgdbm6,libnsl2,libtirpc3,libgomp1,libnuma1,ca-certificates,procps"
 BASE_RECIPE="debootstrap-minbase-$SUITE+$BASE_PACKAGES+users-65532-1000+v1"
-IMAGE_ROOT=/opt/kubestar # in the image: cache/models
+IMAGE_ROOT=/opt/kubestar # in the image: cache/models, venv, src
+IMAGE_VENV="$IMAGE_ROOT/venv"
+IMAGE_SRC="$IMAGE_ROOT/src" # the checkout's package folders, at their paths below it
 
 log() { printf '[images %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 docker_cli() { env -u DOCKER_CONTEXT "$DOCKER_CLI" "$@"; }
@@ -78,6 +85,9 @@ for finder in glob.glob(os.path.join(site, "__editable___kubestar_*_finder.py"))
 PY
 }
 mapfile -t SOURCES < <(source_dirs | sort -u)
+for dir in "${SOURCES[@]}"; do
+    [[ "$dir" == "$ROOT"/* ]] || { log "$dir: an editable source outside the checkout $ROOT"; exit 2; }
+done
 
 # --- the model cache -------------------------------------------------------------------------
 ensure_models() {
@@ -98,7 +108,7 @@ listing() { # DIR [find args...]: path size mtime of every file and link
 base_key() { # the imported layer: base root, Python, venv, models
     {
         sha256sum "$HERE/build.sh" | cut -d' ' -f1
-        echo "$BASE_RECIPE $PY_PREFIX $VENV"
+        echo "$BASE_RECIPE $PY_PREFIX $VENV $IMAGE_VENV"
         listing "$PY_PREFIX" -path "./lib/python$PY_VER/site-packages" -prune -o \
             -path "./lib/python$PY_VER/test" -prune -o -name __pycache__ -prune -o
         # .pyc files come and go as Python runs: they do not change the image's behaviour.
@@ -188,10 +198,8 @@ ensure_base() {
 # models with world-readable modes (the cache may hold 0600 files).
 stage_extras() {
     local dir
-    for dir in "$PY_PREFIX" "$VENV" "${SOURCES[@]}"; do
-        mkdir -p "$ROOTFS$(dirname "$dir")"
-    done
-    find "$ROOTFS/root" "$ROOTFS/work" -type d -exec chmod 0755 {} + 2>/dev/null || true
+    mkdir -p "$ROOTFS$(dirname "$PY_PREFIX")"
+    find "$ROOTFS/root" -type d -exec chmod 0755 {} + 2>/dev/null || true
     mkdir -p "$ROOTFS$IMAGE_ROOT/cache"
     rsync -a --delete --exclude '*.tmp-*' --chmod=Da+rx,Fa+r "$MODELS/" \
         "$ROOTFS$IMAGE_ROOT/cache/models/"
@@ -202,17 +210,18 @@ import_base() { # KEY: base root + Python + venv + models, one tar stream into `
     local key="$1" started=$SECONDS
     ensure_base
     stage_extras
-    log "importing $BASE_IMAGE:$key: base root + $PY_PREFIX + $VENV + models"
+    log "importing $BASE_IMAGE:$key: base root + $PY_PREFIX + $VENV (as $IMAGE_VENV) + models"
     # Member names relative to / so that paths in the image equal the paths here.
     tar -c -f - --numeric-owner --anchored \
         -C "$ROOTFS" --exclude ./.kubestar-recipe . \
         -C / \
         --exclude "${PY_PREFIX#/}/lib/python$PY_VER/site-packages" \
         --exclude "${PY_PREFIX#/}/lib/python$PY_VER/test" \
+        --transform "s|^${VENV#/}|${IMAGE_VENV#/}|S" \
         "${PY_PREFIX#/}" "${VENV#/}" \
         | docker_cli import \
-            --change "ENV PATH=$VENV/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
-            --change "ENV VIRTUAL_ENV=$VENV" \
+            --change "ENV PATH=$IMAGE_VENV/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
+            --change "ENV VIRTUAL_ENV=$IMAGE_VENV" \
             --change "ENV HOME=/tmp" \
             --change "ENV LANG=C.UTF-8" \
             --change "ENV KUBESTAR_CACHE=$IMAGE_ROOT/cache" \
@@ -228,17 +237,31 @@ import_base() { # KEY: base root + Python + venv + models, one tar stream into `
     log "imported $BASE_IMAGE:$key in $((SECONDS - started)) s"
 }
 
+relocated_files() { # DIR: the venv's scripts and editable finder, rewritten for the image's paths
+    local out="$1" file target
+    while IFS= read -r file; do
+        target="$out$IMAGE_VENV/${file#"$VENV"/}"
+        mkdir -p "$(dirname "$target")"
+        sed -e "s|$VENV/|$IMAGE_VENV/|g" -e "s|$ROOT/|$IMAGE_SRC/|g" "$file" >"$target"
+        chmod --reference="$file" "$target"
+    done < <(grep -IlF -e "$VENV/" -e "$ROOT/" "$VENV"/bin/* \
+        "$VENV"/lib/python"$PY_VER"/site-packages/__editable__*kubestar* 2>/dev/null)
+}
+
 build_sources() { # BASE_KEY KEY: the package sources as one small layer (classic builder)
     local base="$1" key="$2" work
     work="$(mktemp -d)"
     tar -c -f "$work/sources.tar" --numeric-owner --anchored --exclude '*/__pycache__' \
-        -C / "${SOURCES[@]#/}"
+        --transform "s|^${ROOT#/}/|${IMAGE_SRC#/}/|S" -C / "${SOURCES[@]#/}"
+    relocated_files "$work/relocated"
+    tar -c -f "$work/relocated.tar" --numeric-owner -C "$work/relocated" "${IMAGE_VENV#/}"
     cat >"$work/Dockerfile" <<EOF
 FROM $BASE_IMAGE:$base
 ADD sources.tar /
+ADD relocated.tar /
 LABEL dev.kubestar.content-key=$key
 EOF
-    tar -c -C "$work" Dockerfile sources.tar \
+    tar -c -C "$work" Dockerfile sources.tar relocated.tar \
         | DOCKER_BUILDKIT=0 docker_cli build --quiet --tag "$IMAGE" - >/dev/null
     rm -rf "$work"
 }
