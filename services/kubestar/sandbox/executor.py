@@ -413,7 +413,14 @@ class Executor:
         return self.light
 
     async def start(self) -> None:
-        await asyncio.gather(*(process.start() for process in self.processes))
+        # Both zygotes finish starting (or failing) before a failure is raised, so that
+        # stopping the executor then stops every process it started.
+        started = await asyncio.gather(
+            *(process.start() for process in self.processes), return_exceptions=True
+        )
+        for outcome in started:
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     def submit(self, code: str, stdin: str, limits: CallLimits) -> asyncio.Future[dict[str, Any]]:
         """Send one call to the zygote it suits; its answer names that zygote (`executor`).
