@@ -47,7 +47,7 @@ spec:
       steps: STEPS
       problemsPerStep: 2
       dataset: {generator: basic_arithmetic, size: 20, seed: 3}
-  trainer: {microBatchSize: 4}
+  trainer: {microBatchSize: 4, processesPerWorker: PROCESSES}
   checkpoint: {everySteps: 2, keep: 5}
   evaluation:
     at: [start, end]
@@ -55,9 +55,11 @@ spec:
 """
 
 
-def train_command(tmp_path: Path, steps: int) -> tuple[list[str], dict[str, str]]:
+def train_command(
+    tmp_path: Path, steps: int, processes: int = 1
+) -> tuple[list[str], dict[str, str]]:
     manifest = tmp_path / "run.yaml"
-    manifest.write_text(MANIFEST.replace("STEPS", str(steps)))
+    manifest.write_text(MANIFEST.replace("STEPS", str(steps)).replace("PROCESSES", str(processes)))
     require_modules("torch", "transformers")
     env = {**os.environ, "KUBESTAR_ENGINE_PYTHON": engine_python()}
     command = [
@@ -120,3 +122,20 @@ def test_run_crash_and_resume(tmp_path: Path) -> None:
     evaluations = [(m["point"], m["step"]) for m in metrics(tmp_path) if m["stage"] == "evaluation"]
     assert evaluations == [("start", 0), ("end", 4)]
     assert (tmp_path / "run" / "evaluation-end.json").exists()
+
+
+def test_two_training_processes(tmp_path: Path) -> None:
+    """trainer.processesPerWorker: 2 trains in two processes (rank 0 and a child rank),
+    the model sharded between them; rank 0 drives rollouts, status and checkpoints."""
+    command, env = train_command(tmp_path, steps=2, processes=2)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = rl_steps(tmp_path)
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all(m["world_size"] == 2 for m in steps)
+    assert steps[1]["weights_versions"] == 1  # gathered from both shards, loaded by the engine
+    assert all("train_loss" in m or m.get("skipped_update") for m in steps)
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["phase"] == "Succeeded" and status["step"] == 2
+    assert status["lastCheckpoint"].endswith("step-000002")
+    assert (tmp_path / "run" / "logs" / "rank-1.log").exists()

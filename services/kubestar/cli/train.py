@@ -13,6 +13,7 @@ from kubestar.common import logs
 
 if TYPE_CHECKING:
     from kubestar.api.v1alpha1 import TrainingRun
+    from kubestar.training.distributed import World
 
 
 @click.command("train")
@@ -51,6 +52,7 @@ def train(
     Locally this starts the sandbox, the vLLM engines and the rollout scheduler as processes
     on 127.0.0.1, resumes from the run directory's newest checkpoint unless --fresh, and
     writes metrics.jsonl, status.json, evaluation-*.json and report/ (table and plots).
+    With trainer.processesPerWorker N > 1 it trains in N processes (this one is rank 0).
     """
     logs.configure(log_level)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -62,6 +64,7 @@ def train(
         load_manifests,
     )
     from kubestar.engine.models import resolve_model
+    from kubestar.training.distributed import World, local_ranks
     from kubestar.training.local import LocalStack
     from kubestar.training.progress import FileReporter
     from kubestar.training.report import write_report
@@ -90,6 +93,10 @@ def train(
         return
 
     directory = Path(run_dir or Path("runs") / run.metadata.name)
+    world = World.from_env()
+    if world.rank > 0:  # a training rank started by rank 0 below: it follows rank 0's steps
+        _train_rank(run, directory, world)
+        return
     if fresh and directory.exists():
         import shutil
 
@@ -129,7 +136,14 @@ def train(
         f"(logs in {directory / 'logs'})",
         err=True,
     )
-    with stack.running() as endpoints:
+    # The other training ranks: this command again, with torchrun's environment.
+    processes = 1 if "WORLD_SIZE" in os.environ else run.spec.trainer.processes_per_worker
+    rank_command = [sys.executable, "-m", "kubestar.cli.main", "train", "-f", manifest]
+    rank_command += ["--run-dir", str(directory), "--log-level", log_level]
+    with (
+        stack.running() as endpoints,
+        local_ranks(processes, rank_command, directory / "logs") as ranks,
+    ):
         session = TrainingSession(
             run,
             endpoints,
@@ -138,12 +152,33 @@ def train(
             FileReporter(directory / "status.json"),
             progress=progress,
             call_limits=pool.spec.limits,
+            world=ranks if ranks.sharded else world,
         )
         status = session.run_all()
     bar.close()
     report = write_report(directory)
     logging.getLogger(__name__).info("done")
     click.echo(f"{status.phase}: {status.step}/{status.total_steps} steps; report: {report}")
+
+
+def _train_rank(run: TrainingRun, directory: Path, world: World) -> None:
+    """A rank other than 0: it trains its shard and takes part in every collective; rollouts,
+    status, metrics and files are rank 0's."""
+    from kubestar.engine.models import resolve_model
+    from kubestar.training.distributed import close_world
+    from kubestar.training.endpoints import Endpoints
+    from kubestar.training.progress import FileReporter
+    from kubestar.training.session import TrainingSession
+
+    model_dir = resolve_model(run.spec.model.path or run.spec.model.name)
+    reporter = FileReporter(directory / f"status-rank-{world.rank}.json")  # never written
+    session = TrainingSession(
+        run, Endpoints(scheduler="", sandbox=""), directory, model_dir, reporter, world=world
+    )
+    try:
+        session.run_all()
+    finally:
+        close_world()
 
 
 def _train_in_cluster(run: TrainingRun, directory: Path) -> None:
@@ -156,6 +191,11 @@ def _train_in_cluster(run: TrainingRun, directory: Path) -> None:
     from kubestar.training.session import TrainingSession
 
     env = TrainerEnvironment.from_env()
+    if run.spec.trainer.processes_per_worker > 1:
+        raise click.ClickException(
+            "trainer.processesPerWorker > 1 runs only with `kubestar train -f` on one machine "
+            "for now; set it to 1 in a cluster"
+        )
     if env.checkpoint_dir:
         run.spec.checkpoint.path = env.checkpoint_dir
     if env.ray_address:

@@ -25,13 +25,39 @@ class TokenBatch:
     def tokens(self) -> int:
         return int(self.loss_mask.sum().item())
 
-    def rows(self, index: slice) -> TokenBatch:
+    def rows(self, index: slice | list[int]) -> TokenBatch:
         return TokenBatch(
             self.input_ids[index],
             self.attention_mask[index],
             self.loss_mask[index],
             self.sampling_logprobs[index],
         )
+
+    def padded(self, rows: int) -> TokenBatch:
+        """At least `rows` rows: filler rows of one attended token and no loss, so that every
+        rank of a sharded trainer makes the same number of passes."""
+        extra = rows - self.input_ids.shape[0]
+        if extra <= 0:
+            return self
+        length = self.input_ids.shape[1]
+        attention = torch.zeros((extra, length), dtype=self.attention_mask.dtype)
+        attention[:, 0] = 1
+        return TokenBatch(
+            torch.cat([self.input_ids, self.input_ids.new_zeros((extra, length))]),
+            torch.cat([self.attention_mask, attention]),
+            torch.cat([self.loss_mask, self.loss_mask.new_zeros((extra, length - 1))]),
+            torch.cat(
+                [self.sampling_logprobs, self.sampling_logprobs.new_zeros((extra, length - 1))]
+            ),
+        )
+
+
+def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """`tensor` with zero rows appended up to `rows` rows."""
+    extra = rows - tensor.shape[0]
+    if extra <= 0:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros((extra, *tensor.shape[1:]))])
 
 
 def make_batch(

@@ -4,6 +4,9 @@
     weights/      Hugging Face folder (bf16), what engines and `kubestar eval` load
     trainer.pt    fp32 weights + optimizer moments
     state.json    where the run is: stage, step in stage, global step, RNG, filters
+
+A sharded trainer saves and loads collectively: every rank takes part in gathering (or
+scattering) the full state, rank 0 alone reads and writes the files.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kubestar.training.distributed import barrier, broadcast
 from kubestar.training.policy import Policy
 
 PREFIX = "step-"
@@ -45,18 +49,26 @@ class RunState:
 
 
 def save(directory: Path, policy: Policy, state: RunState, keep: int) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
+    world = policy.world
     final = directory / f"{PREFIX}{state.global_step:06d}"
     tmp = directory / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    if world.main:
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    tmp = broadcast(tmp, world)  # rank 0's process id names the folder
     policy.save_weights(tmp / "weights")
-    torch.save(policy.state(), tmp / "trainer.pt")
+    trainer_state = policy.state()
+    if not world.main:
+        barrier(world)
+        return final
+    torch.save(trainer_state, tmp / "trainer.pt")
     (tmp / "state.json").write_text(state.to_json())
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)  # the checkpoint exists only once it is complete
     for old in sorted(directory.glob(f"{PREFIX}*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+    barrier(world)
     return final
 
 
@@ -66,5 +78,7 @@ def latest(directory: Path) -> Path | None:
 
 
 def load(path: Path, policy: Policy) -> RunState:
-    policy.load_state(torch.load(path / "trainer.pt", weights_only=False))
-    return RunState.from_json((path / "state.json").read_text())
+    main = policy.world.main
+    policy.load_state(torch.load(path / "trainer.pt", weights_only=False) if main else {})
+    state = RunState.from_json((path / "state.json").read_text()) if main else None
+    return broadcast(state, policy.world) or RunState()

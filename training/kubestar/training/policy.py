@@ -2,6 +2,10 @@
 
 It computes token log-probabilities, takes GRPO and SFT updates with gradient accumulation,
 and writes its weights as a Hugging Face folder that vLLM engines reload in place.
+
+At world size N (`kubestar.training.distributed`) every rank holds a Policy over its shard of
+the weights and optimizer state, and calls each method with its own rows of the batch; the
+methods are collective (every rank calls them, in the same order).
 """
 
 from __future__ import annotations
@@ -14,7 +18,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kubestar.training.batch import TokenBatch, token_logprobs
+from kubestar.training.batch import TokenBatch, pad_rows, token_logprobs
+from kubestar.training.distributed import (
+    SINGLE,
+    ShardingConfig,
+    World,
+    all_reduce,
+    barrier,
+    device_for,
+    init_world,
+    shard_model,
+)
 from kubestar.training.grpo import GrpoConfig, grpo_loss
 
 TOKENIZER_FILES = (
@@ -34,12 +48,6 @@ class OptimizerConfig:
     max_grad_norm: float = 1.0
 
 
-def pick_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 class Policy:
     def __init__(
         self,
@@ -48,16 +56,29 @@ class Policy:
         device: str = "auto",
         micro_batch_size: int = 4,
         seed: int = 0,
+        world: World = SINGLE,
+        sharding: ShardingConfig | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
         self.source = Path(model_path)
-        self.device = pick_device(device)
+        self.world = world
+        self.device = device_for(world, device)
+        init_world(world, self.device)
         # Master weights in fp32 (bf16 AdamW updates of 1e-6 would round to nothing).
         model: Any = AutoModelForCausalLM.from_pretrained(self.source, dtype=torch.float32)
-        self.model = model.to(self.device)
-        self.model.config.use_cache = False
+        model.config.use_cache = False
+        sharding = sharding or ShardingConfig()
+        if sharding.activation_checkpointing:
+            # Non-reentrant: the recomputation runs FSDP's hooks again (all-gathers the layer).
+            recompute = {"use_reentrant": False}
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=recompute)
+        if world.sharded:
+            shard_model(model, world, self.device, sharding)  # moves the shards to the device
+            self.model = model
+        else:
+            self.model = model.to(self.device)
         self.optimizer_config = optimizer
         self.micro_batch_size = micro_batch_size
         self.optimizer = self._new_optimizer(optimizer.learning_rate)
@@ -84,6 +105,11 @@ class Policy:
         for start in range(0, rows, self.micro_batch_size):
             yield batch.rows(slice(start, start + self.micro_batch_size))
 
+    def _rows_everywhere(self, batch: TokenBatch) -> int:
+        """The most rows any rank holds: every rank pads to it, so that all make the same
+        forward and backward passes (FSDP's collectives pair up pass by pass)."""
+        return int(all_reduce(batch.input_ids.shape[0], self.world, self.device, op="max"))
+
     def _forward_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         # Trim right padding shared by the whole micro-batch before the forward pass.
         width = int(batch.attention_mask.sum(dim=1).max().item())
@@ -97,8 +123,10 @@ class Policy:
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """Log-probabilities under the current weights, [B, L-1] (no gradient)."""
         self.model.eval()
-        parts = [self._forward_logprobs(micro).cpu() for micro in self._micro_batches(batch)]
-        return torch.cat(parts)
+        rows = batch.input_ids.shape[0]
+        padded = batch.padded(self._rows_everywhere(batch))
+        parts = [self._forward_logprobs(micro).cpu() for micro in self._micro_batches(padded)]
+        return torch.cat(parts)[:rows]
 
     def grpo_step(
         self,
@@ -107,10 +135,19 @@ class Policy:
         advantages: torch.Tensor,
         config: GrpoConfig,
     ) -> dict[str, float]:
-        """One optimizer step on a mini-batch, accumulating over micro-batches."""
+        """One optimizer step on a mini-batch, accumulating over micro-batches.
+
+        At world size N, `batch` holds this rank's rows and the returned stats are the whole
+        mini-batch's: every token weighs 1 / (the mini-batch's tokens over all ranks),
+        whichever rank and micro-batch it lands in.
+        """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        tokens = max(batch.tokens, 1)
+        tokens = max(all_reduce(batch.tokens, self.world, self.device), 1.0)
+        everywhere = self._rows_everywhere(batch)
+        batch = batch.padded(everywhere)
+        old_logprobs = pad_rows(old_logprobs, everywhere)  # filler rows: no loss tokens
+        advantages = pad_rows(advantages, everywhere)
         totals: dict[str, float] = {}
         for start in range(0, batch.input_ids.shape[0], self.micro_batch_size):
             rows = slice(start, start + self.micro_batch_size)
@@ -129,21 +166,23 @@ class Policy:
             weight = float(mask.sum()) / tokens
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + value * (1.0 if key == "loss" else weight)
+        totals = {key: all_reduce(value, self.world, self.device) for key, value in totals.items()}
         totals["grad_norm"] = self._clip_and_step()
         return totals
 
     def sft_step(self, batch: TokenBatch) -> dict[str, float]:
-        """One optimizer step of masked next-token cross-entropy."""
+        """One optimizer step of masked next-token cross-entropy (sharded: as grpo_step)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        tokens = max(batch.tokens, 1)
+        tokens = max(all_reduce(batch.tokens, self.world, self.device), 1.0)
         total = 0.0
-        for micro in self._micro_batches(batch):
+        for micro in self._micro_batches(batch.padded(self._rows_everywhere(batch))):
             logprobs = self._forward_logprobs(micro)
             mask = micro.loss_mask.to(self.device)
             loss = -(logprobs * mask).sum() / tokens
             loss.backward()
             total += float(loss.detach())
+        total = all_reduce(total, self.world, self.device)
         return {"loss": total, "grad_norm": self._clip_and_step()}
 
     def _clip_and_step(self) -> float:
@@ -151,17 +190,25 @@ class Policy:
             self.model.parameters(), self.optimizer_config.max_grad_norm
         )
         self.optimizer.step()
-        return float(norm)
+        # Sharded: a DTensor whose value is the norm over every rank's shard.
+        full = getattr(norm, "full_tensor", None)
+        return float(full() if full else norm)
 
     def save_weights(self, folder: str | Path) -> Path:
-        """A Hugging Face folder (bf16 safetensors + config + tokenizer) for the engines."""
+        """A Hugging Face folder (bf16 safetensors + config + tokenizer) for the engines.
+
+        Sharded: every rank takes part in gathering the full weights; rank 0 writes them."""
         target = Path(folder)
+        weights = self._full_model_state()
+        if not self.world.main:
+            barrier(self.world)
+            return target
         tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         self.model.save_pretrained(
             tmp,
             safe_serialization=True,
-            state_dict={k: v.to(torch.bfloat16) for k, v in self.model.state_dict().items()},
+            state_dict={k: v.to(torch.bfloat16) for k, v in weights.items()},
         )
         for name in TOKENIZER_FILES:
             if (self.source / name).exists():
@@ -170,11 +217,51 @@ class Policy:
         config_path.write_text(config_path.read_text().replace('"float32"', '"bfloat16"'))
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
+        barrier(self.world)  # no rank goes on before the folder is in place
         return target
 
+    def _full_model_state(self) -> dict[str, torch.Tensor]:
+        """The whole fp32 state dict: the model's own at world size 1; sharded, gathered to
+        rank 0's CPU memory (the other ranks get an empty dict)."""
+        if not self.world.sharded:
+            return dict(self.model.state_dict())
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.model, options=options)  # type: ignore[return-value]
+
     def state(self) -> dict[str, object]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        """Weights and optimizer moments. Sharded: full (unsharded) state gathered to rank 0."""
+        if not self.world.sharded:
+            return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {
+            "model": self._full_model_state(),
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=options),
+        }
 
     def load_state(self, state: dict[str, object]) -> None:
-        self.model.load_state_dict(state["model"])  # type: ignore[arg-type]
-        self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
+        """The inverse of `state`. Sharded: rank 0's full state, scattered to every rank."""
+        if not self.world.sharded:
+            self.model.load_state_dict(state["model"])  # type: ignore[arg-type]
+            self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
+            return
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        model: Any = state.get("model", {})
+        optimizer: Any = state.get("optimizer", {})
+        set_model_state_dict(self.model, model, options=options)
+        set_optimizer_state_dict(self.model, self.optimizer, optimizer, options=options)

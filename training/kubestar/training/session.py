@@ -10,6 +10,10 @@
 Every problem a step trains on is fixed by (stage, step) alone, so a run resumed from a
 checkpoint neither repeats nor skips a step. The same code runs on one machine (local Ray,
 services as local processes) and in the trainer Job of a cluster (services behind endpoints).
+
+A sharded trainer runs one session per rank. Rank 0 drives: rollouts, evaluation, metrics,
+status and the files; the other ranks follow the same stages and steps and take part in every
+collective (the update, gathering weights for the engines and checkpoints).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from kubestar.api.v1alpha1 import (
 from kubestar.training import checkpoint
 from kubestar.training.checkpoint import RunState
 from kubestar.training.datasets import Problem, jsonl_problems, reasoning_gym_problems
+from kubestar.training.distributed import SINGLE, ShardingConfig, World, broadcast
 from kubestar.training.endpoints import Endpoints
 from kubestar.training.generators import Sampling
 from kubestar.training.policy import OptimizerConfig, Policy
@@ -83,9 +88,12 @@ class TrainingSession:
         progress: ProgressCallback | None = None,
         reward_workers: int = 2,
         call_limits: CallLimitsSpec | None = None,
+        world: World = SINGLE,
     ) -> None:
-        """`call_limits`: the SandboxPool's per-call limits, applied to every tool call."""
+        """`call_limits`: the SandboxPool's per-call limits, applied to every tool call.
+        `world`: this process's rank in a sharded trainer."""
         self.run = run
+        self.world = world
         self.call_limits = call_limits or CallLimitsSpec()
         self.spec = run.spec
         self.endpoints = endpoints
@@ -111,6 +119,19 @@ class TrainingSession:
         import ray
         from kubestar.training.workers import RolloutWorker
 
+        algorithm = self.spec.algorithm
+        trainer_spec = self.spec.trainer
+        policy = Policy(
+            self.model_dir,
+            OptimizerConfig(learning_rate=algorithm.learning_rate),
+            device=trainer_spec.device,
+            micro_batch_size=trainer_spec.micro_batch_size,
+            world=self.world,
+            sharding=ShardingConfig(activation_checkpointing=trainer_spec.activation_checkpointing),
+        )
+        if not self.world.main:
+            self._run(policy, None)  # follows rank 0's steps; rollouts are rank 0's
+            return self.status
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         if not ray.is_initialized():
             address = self.spec.trainer.ray_address or None
@@ -124,13 +145,6 @@ class TrainingSession:
                 num_cpus=None if address else max(2, os.cpu_count() or 2),
             )
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        algorithm = self.spec.algorithm
-        policy = Policy(
-            self.model_dir,
-            OptimizerConfig(learning_rate=algorithm.learning_rate),
-            device=self.spec.trainer.device,
-            micro_batch_size=self.spec.trainer.micro_batch_size,
-        )
         worker: Any = (
             ray.remote(RolloutWorker)
             # A worker lost to a crash (or Ray's memory monitor) is restarted and its call
@@ -157,7 +171,8 @@ class TrainingSession:
     def _run(self, policy: Policy, worker: Any) -> None:
         import ray
 
-        fresh = checkpoint.latest(self.checkpoints) is None
+        main = self.world.main
+        fresh = broadcast(checkpoint.latest(self.checkpoints) is None if main else None, self.world)
         state = self._resume(policy, worker)
         if fresh and "start" in self.spec.evaluation.at:
             self._evaluate(worker, "start")
@@ -176,7 +191,8 @@ class TrainingSession:
             sft_metrics = run_sft(
                 policy, self.model_dir, sft, self.endpoints.sandbox, seed=0, progress=self.progress
             )
-            self.metrics.append({"step": 0, "stage": "sft", **sft_metrics})
+            if main:
+                self.metrics.append({"step": 0, "stage": "sft", **sft_metrics})
             self._push_weights(policy, worker, version=0)
             state.sft_done = True
             self._checkpoint(policy, state, trainer)
@@ -188,36 +204,40 @@ class TrainingSession:
             stage = self.spec.stages[index]
             if index != state.stage_index:
                 state.stage_index, state.stage_step = index, 0
-            problems = self._stage_problems(stage, state, worker)
+            problems = self._stage_problems(stage, state, worker) if main else []
             if state.stage_step == 0 and stage.reset_optimizer and index > 0:
                 policy.reset_optimizer()
             self.status.stage = stage.name
             for step in range(state.stage_step, stage.steps):
                 started = time.monotonic()
-                batch = step_problems(problems, stage, step, seed=index)
-                trajectories, stats = ray.get(
-                    worker.rollout.remote(
-                        batch,
-                        trainer.config.rollouts_per_problem,
-                        self.spec.algorithm.max_turns,
-                        stage.max_response_tokens,
-                        self._sampling(),
+                trajectories: list[Trajectory] = []
+                if main:
+                    batch = step_problems(problems, stage, step, seed=index)
+                    trajectories, stats = ray.get(
+                        worker.rollout.remote(
+                            batch,
+                            trainer.config.rollouts_per_problem,
+                            self.spec.algorithm.max_turns,
+                            stage.max_response_tokens,
+                            self._sampling(),
+                        )
                     )
-                )
                 rollout_seconds = time.monotonic() - started
-                metrics = trainer.update(trajectories)
+                metrics = trainer.update(trajectories)  # sharded: rank 0's trajectories
                 state.global_step += 1
                 state.stage_step = step + 1
                 self._push_weights(policy, worker, version=state.global_step)
-                metrics.update(
-                    step_seconds=time.monotonic() - started,
-                    rollout_seconds=rollout_seconds,
-                    tokens_per_second=stats.tokens_per_s,
-                    weights_versions=float(
-                        max((v for t in trajectories for v in t.weights_versions), default=0)
-                    ),
-                )
-                self._record_step(stage, state, metrics)
+                if main:
+                    metrics.update(
+                        step_seconds=time.monotonic() - started,
+                        rollout_seconds=rollout_seconds,
+                        tokens_per_second=stats.tokens_per_s,
+                        world_size=float(self.world.size),  # training processes
+                        weights_versions=float(
+                            max((v for t in trajectories for v in t.weights_versions), default=0)
+                        ),
+                    )
+                    self._record_step(stage, state, metrics)
                 if (
                     state.global_step % self.spec.checkpoint.every_steps == 0
                     or state.stage_step == stage.steps
@@ -246,10 +266,14 @@ class TrainingSession:
         )
 
     def _resume(self, policy: Policy, worker: Any) -> RunState:
-        latest = checkpoint.latest(self.checkpoints)
+        latest = broadcast(
+            checkpoint.latest(self.checkpoints) if self.world.main else None, self.world
+        )
         if latest is None:
             return RunState()
-        state = checkpoint.load(latest, policy)
+        state = checkpoint.load(latest, policy)  # sharded: rank 0 reads, every shard loads
+        if not self.world.main:
+            return state
         log.info(
             "resuming",
             extra={"fields": {"checkpoint": str(latest), "global_step": state.global_step}},
@@ -307,7 +331,9 @@ class TrainingSession:
         import ray
 
         if folder is None:
-            folder = policy.save_weights(self.weights_dir / f"v{version:06d}")
+            folder = policy.save_weights(self.weights_dir / f"v{version:06d}")  # collective
+        if not self.world.main:
+            return
         ray.get(worker.update_weights.remote(str(folder), version))
         # Engines have loaded it: older weight folders are no longer needed.
         for old in self.weights_dir.glob("v*"):
@@ -317,6 +343,8 @@ class TrainingSession:
     def _checkpoint(self, policy: Policy, state: RunState, trainer: GrpoTrainer) -> None:
         state.rng_state = trainer.rng.getstate()
         path = checkpoint.save(self.checkpoints, policy, state, self.spec.checkpoint.keep)
+        if not self.world.main:
+            return
         self.status.last_checkpoint = str(path)
         self.reporter.report(self.status)
 
@@ -346,7 +374,7 @@ class TrainingSession:
         import ray
 
         evaluation = self.spec.evaluation
-        if evaluation.dataset is None:
+        if evaluation.dataset is None or not self.world.main:
             return
         self._set_phase(Phase.EVALUATING, Reason.EVALUATING, f"held-out problems ({point})")
         problems = load_dataset(evaluation.dataset)
@@ -376,6 +404,8 @@ class TrainingSession:
         )
 
     def _set_phase(self, phase: Phase, reason: Reason, message: str) -> None:
+        if not self.world.main:
+            return
         set_phase(self.status, phase, reason, message)
         self.reporter.report(self.status)
 

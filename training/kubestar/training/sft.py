@@ -5,6 +5,8 @@ solutions whose tool calls run in the real sandbox, with the masks of RL traject
 trains on them: `spec.epochs` passes in shuffled batches of `spec.batch_size` examples, masked
 cross-entropy through `Policy.sft_step`, with a fresh AdamW at `spec.learning_rate`; the RL
 optimizer (fresh moments, the RL learning rate) is restored afterwards.
+
+A sharded trainer makes the examples on rank 0 and every rank trains on its rows of each batch.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kubestar.training.chat import ChatTokenizer
+from kubestar.training.distributed import broadcast, shard
 from kubestar.training.rollout import RolloutConfig
 from kubestar.training.sft_data import SftExample, build_sft_examples
 
@@ -70,7 +73,7 @@ def train_sft(
                     [e.response_mask for e in chunk],
                     pad_id=pad_id,
                 )
-                stats = policy.sft_step(batch)
+                stats = policy.sft_step(batch.rows(shard(len(chunk), policy.world)))
                 step += 1
                 tokens = batch.tokens
                 trained += tokens
@@ -118,10 +121,13 @@ def run_sft(
     """
     started = time.monotonic()
     tokenizer = ChatTokenizer.from_model(model_dir)
-    examples = build_sft_examples(
-        spec.examples, sandbox_endpoint, tokenizer, seed=seed, max_tokens=spec.max_tokens,
-        config=config,
-    )  # fmt: skip
+    examples: list[SftExample] = []
+    if policy.world.main:
+        examples = build_sft_examples(
+            spec.examples, sandbox_endpoint, tokenizer, seed=seed, max_tokens=spec.max_tokens,
+            config=config,
+        )  # fmt: skip
+    examples = broadcast(examples, policy.world)
     built = time.monotonic() - started
     metrics = train_sft(
         policy,

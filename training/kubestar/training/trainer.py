@@ -6,6 +6,9 @@
       -> old log-probabilities under the weights that sampled them (recomputed by the trainer)
       -> `updates_per_step` clipped policy-gradient steps over mini-batches
 
+At world size N, rank 0 selects and builds the batch from the trajectories it rolled out,
+broadcasts it, and every rank trains on its rows of each mini-batch (`distributed.shard`).
+
 The trainer recomputes old log-probabilities rather than trusting the engine's: the engine
 samples in bf16 with its own kernels, and the ratio must compare like with like.
 """
@@ -19,7 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from kubestar.training.batch import make_batch
+from kubestar.training.batch import TokenBatch, make_batch
+from kubestar.training.distributed import all_reduce, broadcast, shard
 from kubestar.training.grpo import GrpoConfig, group_advantages
 from kubestar.training.policy import Policy
 from kubestar.training.roc import PositiveSelection, TraceQuality, resample_on_correct
@@ -129,16 +133,18 @@ class GrpoTrainer:
         self.rng = random.Random(seed)
         self.loss_config = GrpoConfig(clip_low=config.clip_low, clip_high=config.clip_high)
 
-    def update(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
-        """Select, then train on the kept trajectories; returns the step's metrics."""
+    def _prepare(
+        self, trajectories: Sequence[Trajectory]
+    ) -> tuple[dict[str, float], tuple[TokenBatch, torch.Tensor, list[list[int]]] | None]:
+        """Metrics, and what to train on: the batch, its advantages, the rows of each
+        mini-batch (None when every group was dropped)."""
         metrics = rollout_metrics(trajectories)
         groups = select_groups(trajectories, self.config, self.rng)
         kept = [t for group in groups for t in group]
         metrics.update(kept_metrics(kept))
         metrics["groups_kept"] = float(len(groups))
         if not kept:
-            metrics["skipped_update"] = 1.0
-            return metrics
+            return metrics, None
         rewards = torch.tensor([t.reward or 0.0 for t in kept])
         group_ids = torch.tensor([i for i, group in enumerate(groups) for _ in group])
         advantages = group_advantages(rewards, group_ids)  # [B]
@@ -149,26 +155,45 @@ class GrpoTrainer:
             [t.response_logprobs for t in kept],
             pad_id=self.pad_id,
         )
-        old_logprobs = self.policy.logprobs(batch)  # [B, L-1], before any update
-        engine_gap = (batch.sampling_logprobs - old_logprobs).abs() * batch.loss_mask
-        metrics["engine_logprob_gap"] = float(engine_gap.sum() / max(batch.tokens, 1))
         order = list(range(len(kept)))
         self.rng.shuffle(order)
         splits = max(1, min(self.config.updates_per_step, len(kept)))
+        return metrics, (batch, advantages, [order[part::splits] for part in range(splits)])
+
+    def update(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        """Select, then train on the kept trajectories; returns the step's metrics.
+
+        Sharded, every rank calls it: rank 0 with the step's trajectories (the others' are
+        ignored), and every rank returns the same training metrics."""
+        world = self.policy.world
+        metrics: dict[str, float] = {}
+        prepared = None
+        if world.main:
+            metrics, prepared = self._prepare(trajectories)
+        prepared = broadcast(prepared, world)
+        if prepared is None:
+            metrics["skipped_update"] = 1.0
+            return metrics
+        batch, advantages, minis = prepared
+        # This rank's rows of each mini-batch; all of them at world size 1.
+        local = [[rows[i] for i in shard(len(rows), world)] for rows in minis]
+        mine = sorted(row for rows in local for row in rows)
+        position = {row: i for i, row in enumerate(mine)}
+        own = batch.rows(mine)
+        old_logprobs = self.policy.logprobs(own)  # [b, L-1], before any update
+        engine_gap = (own.sampling_logprobs - old_logprobs).abs() * own.loss_mask
+        gap = all_reduce(float(engine_gap.sum()), world, self.policy.device)
+        metrics["engine_logprob_gap"] = gap / max(batch.tokens, 1)
         totals: dict[str, float] = defaultdict(float)
-        for part in range(splits):
-            rows = torch.tensor(order[part::splits])
-            mini = type(batch)(
-                batch.input_ids[rows],
-                batch.attention_mask[rows],
-                batch.loss_mask[rows],
-                batch.sampling_logprobs[rows],
-            )
+        for rows in local:
             stats = self.policy.grpo_step(
-                mini, old_logprobs[rows], advantages[rows], self.loss_config
+                batch.rows(rows),
+                old_logprobs[[position[row] for row in rows]],
+                advantages[rows],
+                self.loss_config,
             )
             for key, value in stats.items():
-                totals[key] += value / splits
+                totals[key] += value / len(minis)
         metrics.update({f"train_{key}": value for key, value in totals.items()})
         metrics["trained_tokens"] = float(batch.tokens)
         return metrics

@@ -1,0 +1,209 @@
+"""The trainer's world: N processes, one torch.distributed process group, the model sharded.
+
+Each process (rank) holds 1/N of the parameters, gradients and AdamW moments (FSDP2's
+`fully_shard` on every decoder layer, then on the root). A forward pass all-gathers one layer
+at a time; a backward pass reduce-scatters its gradients, summed over ranks (the loss is
+already normalised by the whole step's token count, see `Policy.grpo_step`).
+
+World size 1 is today's trainer: no process group, the plain model on one device.
+
+The environment is torchrun's: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
+Backends: gloo on CPU, NCCL (RCCL on ROCm) on GPUs. `local_ranks` starts a world on one
+machine: this process is rank 0, the others are child processes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+# How long a rank waits in a collective. The other ranks wait while rank 0 rolls out a step,
+# evaluates or builds SFT examples; a rank that dies is noticed at once (its sockets close).
+COLLECTIVE_TIMEOUT = timedelta(hours=2)
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0  # the process's index on its machine: which GPU it uses
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: drives rollouts, writes weights, checkpoints and status."""
+        return self.rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        return self.size > 1
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> World:
+        return cls(
+            rank=int(env.get("RANK", "0")),
+            size=int(env.get("WORLD_SIZE", "1")),
+            local_rank=int(env.get("LOCAL_RANK", env.get("RANK", "0"))),
+        )
+
+
+SINGLE = World()
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    # bf16 compute with fp32 master weights and fp32 gradient reductions on GPUs; fp32 on CPU
+    # (CPU kernels gain nothing from bf16).
+    mixed_precision: bool = True
+    # Recompute each decoder layer's activations in the backward pass: memory for compute.
+    activation_checkpointing: bool = False
+
+
+def device_for(world: World, name: str = "auto") -> torch.device:
+    """The device of this rank: its local GPU when there are GPUs, else the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and world.sharded:
+        return torch.device("cuda", world.local_rank)
+    return torch.device(name)
+
+
+def init_world(world: World, device: torch.device) -> None:
+    """Join the process group (a no-op at world size 1 or when already joined)."""
+    import torch.distributed as dist
+
+    if not world.sharded or dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo",
+        rank=world.rank,
+        world_size=world.size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+
+
+def close_world() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce(value: float, world: World, device: torch.device, op: str = "sum") -> float:
+    """The sum (or max) of one number over every rank; the number itself at world size 1."""
+    if not world.sharded:
+        return value
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return float(tensor.item())
+
+
+def broadcast(value: T, world: World) -> T:
+    """Rank 0's `value` on every rank (any picklable object, e.g. a step's trajectories)."""
+    if not world.sharded:
+        return value
+    import torch.distributed as dist
+
+    box: list[Any] = [value if world.main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]  # type: ignore[no-any-return]
+
+
+def barrier(world: World) -> None:
+    if world.sharded:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def shard(rows: int, world: World) -> list[int]:
+    """This rank's rows of a batch of `rows`: every size-th row from its rank (the counts
+    differ by at most one; the loss does not depend on which rank gets which row)."""
+    return list(range(world.rank, rows, world.size))
+
+
+def shard_model(
+    model: torch.nn.Module, world: World, device: torch.device, config: ShardingConfig
+) -> None:
+    """FSDP2 in place: each decoder layer is one unit (all-gathered for its forward and
+    backward, then freed), the root holds the rest (embeddings, final norm, head)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (world.size,))
+    if device.type == "cuda" and config.mixed_precision:
+        precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        precision = MixedPrecisionPolicy()
+    layer_types = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in layer_types]
+    if not layers:
+        raise ValueError(f"{type(model).__name__}: no decoder layers to shard (_no_split_modules)")
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=precision)
+    fully_shard(model, mesh=mesh, mp_policy=precision)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # Gradients are summed over ranks, not averaged: each rank's loss is already
+            # divided by the token count of the whole step.
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+
+
+@contextmanager
+def local_ranks(size: int, command: Sequence[str], log_dir: Path) -> Iterator[World]:
+    """A world of `size` processes on this machine: this process is rank 0, ranks 1..size-1
+    run `command` with torchrun's environment (rendezvous on 127.0.0.1, a free port), each
+    logging to log_dir/rank-N.log. Yields this process's World; on the way out waits for the
+    other ranks and stops any still running."""
+    if size <= 1:
+        yield SINGLE
+        return
+    from kubestar.common.net import free_port
+
+    shared = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(size)}
+    saved = {key: os.environ.get(key) for key in (*shared, "RANK", "LOCAL_RANK")}
+    os.environ.update(shared, RANK="0", LOCAL_RANK="0")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        for rank in range(1, size):
+            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            with (log_dir / f"rank-{rank}.log").open("wb") as log:
+                processes.append(
+                    subprocess.Popen(list(command), env=env, stdout=log, stderr=subprocess.STDOUT)
+                )
+        yield World(rank=0, size=size, local_rank=0)
+        for process in processes:
+            process.wait(timeout=300)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+        close_world()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    failed = [rank for rank, p in enumerate(processes, start=1) if p.returncode != 0]
+    if failed:
+        raise RuntimeError(f"training ranks {failed} failed; see {log_dir}/rank-N.log")
