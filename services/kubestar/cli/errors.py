@@ -85,8 +85,8 @@ def _describe_os_error(error: OSError) -> str:
         return f"{where}: no such file or directory"
     if isinstance(error, PermissionError) and where:
         return f"{where}: permission denied"
-    if error.errno is None:  # raised with a message of our own (e.g. a missing model)
-        return _one_line(str(error))
+    if error.errno is None:  # a message of its own, or none (a bare TimeoutError)
+        return _one_line(str(error)) or f"{type(error).__name__} {DEBUG_HINT}"
     return f"{where + ': ' if where else ''}{error.strerror or _one_line(str(error))}"
 
 

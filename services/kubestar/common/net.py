@@ -41,7 +41,11 @@ def check_can_listen(address: str, option: str) -> None:
     if not port_text.isdigit() or int(port_text) == 0:
         return
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
+    try:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError:
+        return  # no such address family here: the server's own bind decides
+    with sock:
         # As a server binds: a port left in TIME_WAIT is free, one with a listener is not.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

@@ -163,6 +163,14 @@ def shard_model(
             module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
 
 
+def _die_with_parent() -> None:
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+
+
 @contextmanager
 def local_ranks(size: int, command: Sequence[str], log_dir: Path) -> Iterator[World]:
     """A world of `size` processes on this machine: this process is rank 0, ranks 1..size-1
@@ -184,7 +192,14 @@ def local_ranks(size: int, command: Sequence[str], log_dir: Path) -> Iterator[Wo
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             with (log_dir / f"rank-{rank}.log").open("wb") as log:
                 processes.append(
-                    subprocess.Popen(list(command), env=env, stdout=log, stderr=subprocess.STDOUT)
+                    subprocess.Popen(
+                        list(command),
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        # A rank 0 killed outright (OOM, SIGKILL) takes the others with it.
+                        preexec_fn=_die_with_parent,
+                    )
                 )
         yield World(rank=0, size=size, local_rank=0)
         for process in processes:

@@ -186,10 +186,19 @@ class TrainingSession:
             self._set_phase(
                 Phase.SFT, Reason.SUPERVISED_FINE_TUNING, "non-reasoning SFT on the tool format"
             )
+            from kubestar.training.rollout import RolloutConfig
             from kubestar.training.sft import run_sft
+            from kubestar.training.workers import call_limits_config
 
+            # The examples' tool calls run under the pool's limits, as the RL rollouts' do.
             sft_metrics = run_sft(
-                policy, self.model_dir, sft, self.endpoints.sandbox, seed=0, progress=self.progress
+                policy,
+                self.model_dir,
+                sft,
+                self.endpoints.sandbox,
+                seed=0,
+                progress=self.progress,
+                config=RolloutConfig(**call_limits_config(self.call_limits)),
             )
             if main:
                 self.metrics.append({"step": 0, "stage": "sft", **sft_metrics})
