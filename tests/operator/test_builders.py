@@ -228,7 +228,8 @@ def test_trainer_job_follows_the_contract() -> None:
     assert parsed.sandbox_endpoint == "tiny-sandbox-sandbox.team.svc.cluster.local:50051"
     assert parsed.sandbox_limits == {"timeoutSeconds": 5.0, "memoryMib": 512, "outputBytes": 65536}
     assert parsed.checkpoint_dir == "/var/lib/kubestar/checkpoints"
-    assert parsed.ray_address == ""
+    assert (parsed.workers, parsed.worker_index, parsed.processes) == (1, 0, 1)
+    assert parsed.rendezvous == ""  # a world of one process meets nobody
     mounts = {m["name"]: m["mountPath"] for m in trainer["volumeMounts"]}
     assert mounts["config"] == "/etc/kubestar"
 
@@ -250,17 +251,52 @@ def test_trainer_role_is_limited_to_its_own_run() -> None:
     assert binding["subjects"][0]["name"] == "tiny-cpu-trainer"
 
 
-def test_several_workers_make_a_ray_job() -> None:
+def test_several_workers_make_a_job_each() -> None:
+    """2 workers x 2 processes: a world of 4, worker 1's first process is rank 2, both find
+    worker 0 at the headless Service, which selects worker 0's pod alone."""
     body, spec, fleet, pool = tiny_run()
-    spec = spec.model_copy(update={"trainer": spec.trainer.model_copy(update={"workers": 4})})
-    ray_job = build_trainer.ray_job(body, spec, fleet, pool, OperatorSettings())
-    assert ray_job["apiVersion"] == "ray.io/v1" and ray_job["kind"] == "RayJob"
-    cluster = ray_job["spec"]["rayClusterSpec"]
-    assert cluster["workerGroupSpecs"][0]["replicas"] == 3
-    head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
-    env = {e["name"]: e["value"] for e in head["env"]}
-    assert env[trainer_contract.ENV_RAY_ADDRESS] == "auto"
-    assert ray_job["spec"]["entrypoint"].startswith("kubestar train -f")
+    trainer = spec.trainer.model_copy(update={"workers": 2, "processes_per_worker": 2})
+    spec = spec.model_copy(update={"trainer": trainer})
+    settings = OperatorSettings()
+    jobs = build_trainer.jobs(body, spec, fleet, pool, settings)
+    assert [job["metadata"]["name"] for job in jobs] == ["tiny-cpu-trainer", "tiny-cpu-trainer-1"]
+    environments = [
+        trainer_contract.TrainerEnvironment.from_env(
+            {e["name"]: e["value"] for e in containers(job)[0]["env"]}
+        )
+        for job in jobs
+    ]
+    assert [(e.worker_index, e.workers, e.processes) for e in environments] == [
+        (0, 2, 2),
+        (1, 2, 2),
+    ]
+    assert {e.rendezvous for e in environments} == {"tiny-cpu-trainer.team.svc.cluster.local:29500"}
+    pod_labels = [job["spec"]["template"]["metadata"]["labels"] for job in jobs]
+    service = build_trainer.rendezvous_service(body, settings)
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
+    selector = service["spec"]["selector"].items()
+    assert selector <= pod_labels[0].items() and not selector <= pod_labels[1].items()
+    assert service["spec"]["ports"][0]["port"] == settings.ports.trainer_rendezvous
+    # Every rank writes a checkpoint shard: several pods need one volume they all mount.
+    problem = build_trainer.spec_problem(spec, settings)
+    assert problem is not None and "spec.trainer.workers is 2" in problem
+    shared = spec.model_copy(
+        update={"checkpoint": spec.checkpoint.model_copy(update={"pvc_claim_name": "shared"})}
+    )
+    assert build_trainer.spec_problem(shared, settings) is None
+
+
+def test_accelerators_per_pod_equal_processes_per_pod() -> None:
+    from kubestar.api.v1alpha1 import TrainerSpec
+    from pydantic import ValidationError
+
+    TrainerSpec.model_validate(
+        {"processesPerWorker": 8, "resources": {"limits": {"amd.com/gpu": 8}}}
+    )
+    with pytest.raises(ValidationError, match=r"resources.limits\[nvidia.com/gpu\] is 4"):
+        TrainerSpec.model_validate(
+            {"processesPerWorker": 8, "resources": {"limits": {"nvidia.com/gpu": 4}}}
+        )
 
 
 def test_long_names_are_shortened_uniquely() -> None:

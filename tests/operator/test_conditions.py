@@ -303,9 +303,6 @@ def test_phase_decisions() -> None:
     # Terminal phases stick; nothing is started again.
     decision = tr.decide("Succeeded", 1, None, ok, True, absent)
     assert decision.phase == "Succeeded" and not decision.start
-    blocked = ("KubeRayNotInstalled", "install KubeRay")
-    decision = tr.decide("Pending", 1, None, ok, True, absent, blocked)
-    assert decision.phase == "Pending" and not decision.start
     refused = ("SpecChangeRefused", "cannot change spec.algorithm.groupSize")
     decision = tr.decide("Training", 2, refused, ok, True, running)
     assert decision.phase == "Training"
@@ -417,3 +414,33 @@ def test_the_trainer_reports_phases_as_the_operator_reads_conditions() -> None:
         "lastTransitionTime": "t1",
         "observedGeneration": 0,
     }
+
+
+def test_workers_outcome() -> None:
+    """Several trainer Jobs: one failed fails the run (naming the worker), all completed
+    succeed it, and it runs only when every worker runs."""
+
+    def job(uid: str, **status: Any) -> dict[str, Any]:
+        return {"metadata": {"uid": uid}, "status": status}
+
+    def pod(owner: str, ready: bool) -> dict[str, Any]:
+        condition = {"type": "Ready", "status": "True" if ready else "False"}
+        return {
+            "metadata": {"ownerReferences": [{"uid": owner}]},
+            "status": {"phase": "Running", "conditions": [condition]},
+        }
+
+    complete = [{"type": "Complete", "status": "True"}]
+    failed = [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]
+    assert tr.workers_outcome([None, None], []).state == "absent"
+    assert tr.workers_outcome([job("a"), None], [pod("a", True)]).state == "starting"
+    both = [job("a"), job("b")]
+    running = tr.workers_outcome(both, [pod("a", True), pod("b", True)])
+    assert running.state == "running" and running.message == "2 of 2 trainer pods running"
+    assert tr.workers_outcome(both, [pod("a", True), pod("b", False)]).state == "starting"
+    broken = tr.workers_outcome([job("a"), job("b", conditions=failed)], [pod("a", True)])
+    assert broken.state == "failed" and broken.message.startswith("worker 1: trainer Job failed")
+    done = tr.workers_outcome([job("a", conditions=complete), job("b", conditions=complete)], [])
+    assert done.state == "succeeded"
+    half = tr.workers_outcome([job("a", conditions=complete), job("b")], [pod("b", True)])
+    assert half.state == "running" and half.message == "1 of 2 trainer pods running"

@@ -1,7 +1,7 @@
 """A TrainingRun end to end against a real API server: it waits for its fleet and pool,
 starts the trainer Job with a service account that may patch only its own status, takes the
 trainer's progress, fails with the reason when the trainer's pod is OOM-killed, refuses spec
-changes it cannot apply, and says so when several workers need KubeRay."""
+changes it cannot apply, and runs several workers as a Job each, meeting at worker 0."""
 
 from __future__ import annotations
 
@@ -190,74 +190,87 @@ def test_spec_changes_are_refused_while_running(
     wait_condition(cluster, path, "SpecAccepted", "True")
 
 
-def test_several_workers_without_kuberay_say_what_is_missing(
+def multi_worker_run(name: str, claim: str | None) -> dict[str, Any]:
+    run = example("TrainingRun", name)
+    run["spec"]["trainer"]["workers"] = 2
+    if claim:
+        run["spec"]["checkpoint"] = {"pvcClaimName": claim}
+    return run
+
+
+def test_several_workers_need_one_checkpoint_volume(
     cluster: LocalCluster, operator: OperatorProcess, kubelet: FakeKubelet, namespace: str
 ) -> None:
-    run = example("TrainingRun", "ray")
-    run["spec"]["trainer"]["workers"] = 3
+    """Every rank writes its checkpoint shard: without a volume all pods mount, the spec is
+    refused with a message naming the field, and no Job starts."""
     api = cluster.api()
-    api.create(kubestar(namespace, "trainingruns"), run)
+    api.create(kubestar(namespace, "trainingruns"), multi_worker_run("alone", None))
     api.create(kubestar(namespace, "sandboxpools"), example("SandboxPool"))
     api.create(kubestar(namespace, "rolloutfleets"), example("RolloutFleet"))
     ready_dependencies(kubelet, namespace)
-    path = kubestar(namespace, "trainingruns", "ray")
-    missing = wait_condition(cluster, path, "TrainerReady", "False", "KubeRayNotInstalled")
-    assert "rayjobs.ray.io" in missing["message"] and "workers is 3" in missing["message"]
-    assert phase(cluster, namespace, "ray") == "Pending"
-    assert api.get(apis("batch/v1", namespace, "jobs", "ray-trainer")) is None
+    path = kubestar(namespace, "trainingruns", "alone")
+    refused = wait_condition(cluster, path, "SpecAccepted", "False", "InvalidSpec")
+    assert "spec.trainer.workers is 2" in refused["message"]
+    assert "pvcClaimName" in refused["message"]
+    assert phase(cluster, namespace, "alone") == "Pending"
+    assert api.get(apis("batch/v1", namespace, "jobs", "alone-trainer")) is None
 
 
-RAYJOB_CRD = """
-apiVersion: apiextensions.k8s.io/v1
-kind: CustomResourceDefinition
-metadata: {name: rayjobs.ray.io}
-spec:
-  group: ray.io
-  scope: Namespaced
-  names: {kind: RayJob, listKind: RayJobList, plural: rayjobs, singular: rayjob}
-  versions:
-    - name: v1
-      served: true
-      storage: true
-      schema:
-        openAPIV3Schema: {type: object, x-kubernetes-preserve-unknown-fields: true}
-      subresources: {status: {}}
-"""
-
-
-def test_several_workers_with_kuberay_make_a_ray_job(
+def test_several_workers_make_a_job_each_and_meet_at_worker_0(
     cluster: LocalCluster, operator: OperatorProcess, kubelet: FakeKubelet, namespace: str
 ) -> None:
-    """KubeRay's CRD (a stand-in with its name and version) turns up: the run goes on."""
-    run = example("TrainingRun", "ray")
-    run["spec"]["trainer"]["workers"] = 3
+    """trainer.workers 2: two Jobs (worker 0 and 1) with their place in the world, a
+    headless Service for worker 0's pod, its address in the run's status (for clusters
+    without DNS), and a run that fails when worker 1 does."""
     api = cluster.api()
-    api.create(kubestar(namespace, "trainingruns"), run)
+    api.create(kubestar(namespace, "trainingruns"), multi_worker_run("multi", "shared"))
     api.create(kubestar(namespace, "sandboxpools"), example("SandboxPool"))
     api.create(kubestar(namespace, "rolloutfleets"), example("RolloutFleet"))
     ready_dependencies(kubelet, namespace)
-    path = kubestar(namespace, "trainingruns", "ray")
-    wait_condition(cluster, path, "TrainerReady", "False", "KubeRayNotInstalled")
-    cluster.kubectl("apply", "-f", "-", input=RAYJOB_CRD)
-    try:
-        cluster.kubectl("wait", "--for=condition=Established", "crd/rayjobs.ray.io")
-        ray_job = wait_for(
-            "the RayJob",
-            lambda: api.get(apis("ray.io/v1", namespace, "rayjobs", "ray-trainer")),
-            timeout=30,
+    jobs = [
+        wait_for(name, lambda name=name: api.get(apis("batch/v1", namespace, "jobs", name)))
+        for name in ("multi-trainer", "multi-trainer-1")
+    ]
+    environments = [
+        {e["name"]: e["value"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+        for job in jobs
+    ]
+    assert [env["KUBESTAR_TRAINER_WORKER_INDEX"] for env in environments] == ["0", "1"]
+    assert {env["KUBESTAR_TRAINER_WORKERS"] for env in environments} == {"2"}
+    rendezvous = {env["KUBESTAR_TRAINER_RENDEZVOUS"] for env in environments}
+    assert rendezvous == {f"multi-trainer.{namespace}.svc.cluster.local:29500"}
+    service = api.get(core(namespace, "services", "multi-trainer")) or {}
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"]["kubestar.dev/trainer-worker"] == "0"
+    path = kubestar(namespace, "trainingruns", "multi")
+    status = wait_for("status.trainer", lambda: (api.get(path) or {}).get("status", {}))
+    assert status["trainer"] == "Job/multi-trainer,Job/multi-trainer-1"
+    assert status["worldSize"] == 2
+
+    selector = f"{INSTANCE}=multi,{COMPONENT}=trainer"
+    wait_for("both trainer pods", lambda: len(kubelet.pods(namespace, selector)) == 2)
+    # Without cluster DNS, the other workers read worker 0's address from the run's status,
+    # with the trainer's own service account.
+    token = cluster.service_account_token(namespace, "multi-trainer")
+    credentials = Connection(server=cluster.server, token=token, ca_file=cluster.ca_file)
+    trainer_view = StatusPatcher("multi", namespace, credentials)
+    assert not trainer_view.current().get("rendezvousAddress")
+    kubelet.make_ready(namespace, f"{selector},kubestar.dev/trainer-worker=0")
+    assert (
+        wait_for(
+            "worker 0's address in status.rendezvousAddress",
+            lambda: trainer_view.current().get("rendezvousAddress"),
         )
-        cluster_spec = ray_job["spec"]["rayClusterSpec"]
-        assert cluster_spec["workerGroupSpecs"][0]["replicas"] == 2
-        assert ray_job["metadata"]["ownerReferences"][0]["name"] == "ray"
-        wait_condition(cluster, path, "TrainerReady", "False", "Starting")
-        assert (api.get(path) or {})["status"]["trainer"] == "RayJob/ray-trainer"
-        api.merge_patch(
-            apis("ray.io/v1", namespace, "rayjobs", "ray-trainer") + "/status",
-            {"status": {"jobStatus": "SUCCEEDED", "jobDeploymentStatus": "Complete"}},
-        )
-        wait_phase(cluster, namespace, "ray", "Succeeded")
-    finally:
-        cluster.kubectl("delete", "crd", "rayjobs.ray.io", "--wait=true", check=False)
+        == "127.0.0.1"  # the fake kubelet's pod address
+    )
+    wait_condition(cluster, path, "TrainerReady", "False", "Starting")
+    (worker_1,) = kubelet.make_ready(namespace, f"{selector},kubestar.dev/trainer-worker=1")
+    ready = wait_condition(cluster, path, "TrainerReady", "True", "Running")
+    assert ready["message"] == "2 of 2 trainer pods running"
+    kubelet.set_status(worker_1, kubelet.terminated(worker_1, 1, "Error"))
+    wait_phase(cluster, namespace, "multi", "Failed", timeout=30)
+    failed = condition(api.get(path), "TrainerReady") or {}
+    assert failed["message"].startswith("worker 1: trainer Job failed")
 
 
 def test_a_new_run_ignores_the_trainer_job_of_an_earlier_one(

@@ -117,8 +117,6 @@ class Reason(StrEnum):
 
     # TrainingRun, TrainerReady.
     WAITING_FOR_DEPENDENCIES = "WaitingForDependencies"
-    # spec.trainer.workers > 1 needs KubeRay's RayJob, which the cluster does not serve.
-    KUBERAY_NOT_INSTALLED = "KubeRayNotInstalled"
     CREATING = "Creating"
     STARTING = "Starting"
     RUNNING = "Running"
@@ -126,7 +124,6 @@ class Reason(StrEnum):
     # The run is over and its trainer workload is gone.
     FINISHED = "Finished"
     JOB_FAILED = "JobFailed"
-    RAY_JOB_FAILED = "RayJobFailed"
     # An Event's reason, when the operator creates the trainer workload.
     TRAINER_CREATED = "TrainerCreated"
 

@@ -1,6 +1,7 @@
 """The trainer contract: what the operator gives the trainer pod, and how it reports back.
 
-The trainer Job (or each pod of the RayJob) runs
+Each trainer pod (one Job per worker: `<run>-trainer` is worker 0, `<run>-trainer-N` worker
+N) runs
 
     kubestar train -f /etc/kubestar/run.yaml --in-cluster
 
@@ -15,8 +16,18 @@ with this environment (names are the constants below):
 | KUBESTAR_SANDBOX_LIMITS | JSON of the pool's per-call limits (timeoutSeconds, memoryMib, ...) |
 | KUBESTAR_CHECKPOINT_DIR | where checkpoints go (a PVC when spec.checkpoint.pvcClaimName is set; |
 |   | else checkpointDir/NAMESPACE/NAME on trainer.sharedCheckpoints, mounted by the engines too) |
-| KUBESTAR_RAY_ADDRESS | "" for a local `ray.init()`, "auto" inside a KubeRay RayJob |
-| KUBESTAR_TRAINER_WORKERS | spec.trainer.workers |
+| KUBESTAR_TRAINER_WORKERS | spec.trainer.workers: pods in the training world |
+| KUBESTAR_TRAINER_WORKER_INDEX | this pod's index, 0..workers-1; its first process is rank |
+|   | index x processesPerWorker |
+| KUBESTAR_TRAINER_PROCESSES | spec.trainer.processesPerWorker: training processes in this pod |
+| KUBESTAR_TRAINER_RENDEZVOUS | HOST:PORT of worker 0's rendezvous (torch.distributed's store): |
+|   | the headless Service `<run>-trainer`, whose only endpoint is worker 0's pod |
+
+The world is workers x processesPerWorker processes in one torch.distributed process group
+(kubestar.training.distributed). Worker 0's first process is rank 0: it alone rolls out (its
+own Ray), reports status and writes files other than checkpoint shards. Where the cluster
+has no DNS for Services, the trainer reads worker 0's pod address from its TrainingRun's
+`status.rendezvousAddress`, which the operator keeps.
 
 Its service account may `get` its own TrainingRun and `get`/`patch` that run's `status`
 subresource, nothing else (a Role limited by resourceNames). It reports with
@@ -51,8 +62,10 @@ ENV_SCHEDULER = "KUBESTAR_SCHEDULER_ENDPOINT"
 ENV_SANDBOX = "KUBESTAR_SANDBOX_ENDPOINT"
 ENV_SANDBOX_LIMITS = "KUBESTAR_SANDBOX_LIMITS"
 ENV_CHECKPOINT_DIR = "KUBESTAR_CHECKPOINT_DIR"
-ENV_RAY_ADDRESS = "KUBESTAR_RAY_ADDRESS"
 ENV_WORKERS = "KUBESTAR_TRAINER_WORKERS"
+ENV_WORKER_INDEX = "KUBESTAR_TRAINER_WORKER_INDEX"
+ENV_PROCESSES = "KUBESTAR_TRAINER_PROCESSES"
+ENV_RENDEZVOUS = "KUBESTAR_TRAINER_RENDEZVOUS"
 
 CONFIG_DIR = "/etc/kubestar"
 RUN_CONFIG = f"{CONFIG_DIR}/run.yaml"
@@ -78,8 +91,10 @@ class TrainerEnvironment:
     sandbox_endpoint: str
     sandbox_limits: dict[str, Any]
     checkpoint_dir: str
-    ray_address: str
-    workers: int
+    workers: int = 1
+    worker_index: int = 0
+    processes: int = 1
+    rendezvous: str = ""  # HOST:PORT; empty with one process in all
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> TrainerEnvironment:
@@ -92,8 +107,10 @@ class TrainerEnvironment:
             sandbox_endpoint=values.get(ENV_SANDBOX, ""),
             sandbox_limits=json.loads(values.get(ENV_SANDBOX_LIMITS) or "{}"),
             checkpoint_dir=values.get(ENV_CHECKPOINT_DIR, ""),
-            ray_address=values.get(ENV_RAY_ADDRESS, ""),
             workers=int(values.get(ENV_WORKERS, "1")),
+            worker_index=int(values.get(ENV_WORKER_INDEX, "0")),
+            processes=int(values.get(ENV_PROCESSES, "1")),
+            rendezvous=values.get(ENV_RENDEZVOUS, ""),
         )
 
 

@@ -491,8 +491,12 @@ class TrainerSpec(Spec):
         1,
         ge=1,
         le=1024,
-        description="Trainer pods. 1: a Job with one pod and a local Ray instance. More: a "
-        "KubeRay RayJob (the KubeRay operator must be installed).",
+        description="Trainer pods (one Job each, as Kubeflow's PyTorchJob makes them): "
+        "workers x processesPerWorker training processes in one torch.distributed world, the "
+        "model, gradients and optimizer state sharded (FSDP2) over all of them. Worker 0's "
+        "first process (rank 0) rolls out, reports status and writes the weights. More than 1 "
+        "needs a checkpoint volume every pod mounts (the chart's trainer.sharedCheckpoints, "
+        "or checkpoint.pvcClaimName on a ReadWriteMany claim): each rank writes its shard.",
     )
     image: str = Field(
         "",
@@ -505,8 +509,8 @@ class TrainerSpec(Spec):
     )
     ray_address: str = Field(
         "",
-        description="Address of an existing Ray cluster to join (ray.init(address)). Empty: "
-        "a local Ray instance, or the RayJob's cluster when workers > 1.",
+        description="Address of an existing Ray cluster for the rollout workers to join "
+        "(ray.init(address)). Empty: a local Ray instance in rank 0's pod.",
     )
     micro_batch_size: int = Field(
         4,
@@ -523,10 +527,9 @@ class TrainerSpec(Spec):
         1,
         ge=1,
         le=64,
-        description="Training processes per trainer pod, one per accelerator: the model, "
-        "gradients and optimizer state are sharded (FSDP2) over all of them, and rank 0 drives "
-        "rollouts, status and checkpoints. `kubestar train -f` starts them on the local "
-        "machine; in a cluster the trainer refuses more than 1 for now.",
+        description="Training processes per trainer pod, one per accelerator: a pod's "
+        "accelerator limit (nvidia.com/gpu, amd.com/gpu) must equal it. `kubestar train -f` "
+        "starts all workers x processesPerWorker processes on the local machine.",
     )
     activation_checkpointing: bool = Field(
         False,
@@ -542,6 +545,17 @@ class TrainerSpec(Spec):
         "/data",
         description="Where dataPvcClaimName is mounted in the trainer pods.",
     )
+
+    @model_validator(mode="after")
+    def _accelerators_per_process(self) -> TrainerSpec:
+        for resource, amount in self.resources.limits.items():
+            if resource.endswith("/gpu") and str(amount) != str(self.processes_per_worker):
+                raise ValueError(
+                    f"resources.limits[{resource}] is {amount} but processesPerWorker is "
+                    f"{self.processes_per_worker}: each training process drives one "
+                    "accelerator; make them equal"
+                )
+        return self
 
 
 class CheckpointSpec(Spec):
@@ -711,7 +725,19 @@ class TrainingRunStatus(Spec):
         "", description='"step/totalSteps", as the Step column of `kubectl get` shows it.'
     )
     trainer: str = Field(
-        "", description="The trainer workload, as Kind/name (a Job, or a KubeRay RayJob)."
+        "",
+        description="The trainer's Jobs, as Job/name, one per worker (worker 0 first, "
+        "comma-separated).",
+    )
+    world_size: int = Field(
+        0,
+        description="Training processes in the trainer's torch.distributed world "
+        "(trainer.workers x trainer.processesPerWorker), once the trainer is created.",
+    )
+    rendezvous_address: str = Field(
+        "",
+        description="Address of trainer worker 0's pod, where the other workers join the "
+        "process group on clusters without DNS for Services (kept by the operator).",
     )
 
 

@@ -1,12 +1,16 @@
 """Children of a TrainingRun (pure): the run's config (a ConfigMap with run.yaml), a service
 account with a Role that may only read its own TrainingRun and patch that run's status, and
-the trainer workload: a Job with one pod (local Ray) or, with several workers, a KubeRay
-RayJob. See kubestar.api.trainer_contract for what the trainer receives."""
+the trainer: one Job per worker (`<run>-trainer` is worker 0,
+`<run>-trainer-N` worker N), each with one pod of processesPerWorker training processes, and
+a headless Service `<run>-trainer` whose one endpoint is worker 0's pod, where the other
+workers join the process group (the way Kubeflow's PyTorchJob does it, without Indexed Jobs,
+which Kubernetes 1.20 lacks). See kubestar.api.trainer_contract for what the trainer
+receives."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
@@ -23,11 +27,21 @@ from kubestar.operator import objects as o
 from kubestar.operator.settings import OperatorSettings
 
 TRAINER = "trainer"
-RAY_GROUP = "ray.io"
+LABEL_WORKER = "kubestar.dev/trainer-worker"
 
 
 def trainer_name(run: str) -> str:
+    """Worker 0's Job, the rendezvous Service, the service account and its Role."""
     return o.child_name(run, "trainer")
+
+
+def worker_name(run: str, index: int) -> str:
+    """The Job of trainer worker `index`."""
+    return trainer_name(run) if index == 0 else o.child_name(run, f"trainer-{index}")
+
+
+def world_size(spec: TrainingRunSpec) -> int:
+    return spec.trainer.workers * spec.trainer.processes_per_worker
 
 
 def config_name(run: str) -> str:
@@ -120,6 +134,20 @@ def shares_checkpoints(spec: TrainingRunSpec, settings: OperatorSettings) -> boo
     return settings.trainer.shared_checkpoints.enabled and not spec.checkpoint.pvc_claim_name
 
 
+def spec_problem(spec: TrainingRunSpec, settings: OperatorSettings) -> str | None:
+    """Why this installation cannot run the spec as written, or None."""
+    if spec.trainer.workers > 1 and not (
+        spec.checkpoint.pvc_claim_name or settings.trainer.shared_checkpoints.enabled
+    ):
+        return (
+            f"spec.trainer.workers is {spec.trainer.workers}: every trainer pod writes its "
+            "shard of each checkpoint to one volume, and this installation has none; set "
+            "spec.checkpoint.pvcClaimName to a ReadWriteMany claim, or the chart's "
+            "trainer.sharedCheckpoints, or use 1 worker"
+        )
+    return None
+
+
 def checkpoint_dir(
     run: Mapping[str, Any], spec: TrainingRunSpec, settings: OperatorSettings
 ) -> str:
@@ -141,7 +169,7 @@ def trainer_env(
     fleet: RolloutFleetSpec,
     pool: SandboxPoolSpec,
     settings: OperatorSettings,
-    ray_address: str = "",
+    worker: int = 0,
 ) -> dict[str, str]:
     meta = run["metadata"]
     namespace = meta.get("namespace", "default")
@@ -157,12 +185,17 @@ def trainer_env(
         ),
         c.ENV_SANDBOX_LIMITS: json.dumps(pool.limits.model_dump(by_alias=True), sort_keys=True),
         c.ENV_CHECKPOINT_DIR: checkpoint_dir(run, spec, settings),
-        c.ENV_RAY_ADDRESS: ray_address or spec.trainer.ray_address,
         c.ENV_WORKERS: str(spec.trainer.workers),
+        c.ENV_WORKER_INDEX: str(worker),
+        c.ENV_PROCESSES: str(spec.trainer.processes_per_worker),
+        c.ENV_RENDEZVOUS: rendezvous_address(run, settings) if world_size(spec) > 1 else "",
         "PYTHONUNBUFFERED": "1",
         "HOME": "/tmp",
     }
-    if settings.network.loopback_only and not (ray_address or spec.trainer.ray_address):
+    if settings.network.loopback_only:
+        # torch.distributed's collectives (gloo) on the loopback interface only.
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    if settings.network.loopback_only and not spec.trainer.ray_address:
         # Local Ray on the node's loopback only: with this, Ray takes 127.0.0.1 as the
         # node's address (GCS, raylet, workers bind it) instead of the first interface.
         env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -244,81 +277,90 @@ def _pod_spec(
 TRAIN_COMMAND = ["kubestar", "train", "-f", c.RUN_CONFIG, "--in-cluster"]
 
 
+def rendezvous_address(run: Mapping[str, Any], settings: OperatorSettings) -> str:
+    """HOST:PORT of the rendezvous Service, for clusters with DNS. With hostNetwork (clusters
+    without pod networking, nor DNS) only :PORT: the trainer reads worker 0's pod address
+    from status.rendezvousAddress."""
+    if settings.network.host_network:
+        return f":{settings.ports.trainer_rendezvous}"
+    meta = run["metadata"]
+    namespace = meta.get("namespace", "default")
+    domain = settings.network.cluster_domain
+    host = f"{trainer_name(meta['name'])}.{namespace}.svc.{domain}"
+    return f"{host}:{settings.ports.trainer_rendezvous}"
+
+
+def rendezvous_pod_address(pods: Sequence[Mapping[str, Any]]) -> str:
+    """Worker 0's pod address (status.rendezvousAddress), once it has one; "" before."""
+    for pod in pods:
+        labels = pod.get("metadata", {}).get("labels") or {}
+        status = pod.get("status") or {}
+        if labels.get(LABEL_WORKER) == "0" and status.get("phase") in ("Pending", "Running"):
+            return str(status.get("podIP") or "")
+    return ""
+
+
+def rendezvous_service(run: Mapping[str, Any], settings: OperatorSettings) -> o.Obj:
+    """Headless: its one endpoint is worker 0's pod, listed before that pod is ready (the
+    other workers must find it while it waits for them)."""
+    name = run["metadata"]["name"]
+    selector = {**o.selector_labels("TrainingRun", name, TRAINER), LABEL_WORKER: "0"}
+    port = settings.ports.trainer_rendezvous
+    return o.with_hash(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": o.metadata(run, trainer_name(name), TRAINER),
+            "spec": {
+                "clusterIP": "None",
+                "publishNotReadyAddresses": True,
+                "selector": selector,
+                "ports": [
+                    {"name": "rendezvous", "port": port, "targetPort": port, "protocol": "TCP"}
+                ],
+            },
+        }
+    )
+
+
 def job(
     run: Mapping[str, Any],
     spec: TrainingRunSpec,
     fleet: RolloutFleetSpec,
     pool: SandboxPoolSpec,
     settings: OperatorSettings,
+    worker: int = 0,
 ) -> o.Obj:
-    """One trainer pod (local Ray). A failed pod fails the Job after backoffLimit retries."""
+    """Trainer worker `worker`: a Job with one pod of processesPerWorker processes. A failed
+    pod fails the Job after backoffLimit retries; a failed Job fails the run."""
     name = run["metadata"]["name"]
-    env = trainer_env(run, spec, fleet, pool, settings)
+    env = trainer_env(run, spec, fleet, pool, settings, worker)
     pod = _pod_spec(run, spec, settings, env, TRAIN_COMMAND)
     pod["restartPolicy"] = "Never"
+    worker_label = {LABEL_WORKER: str(worker)}
+    labels = {**o.labels("TrainingRun", name, TRAINER), **worker_label}
     return o.with_hash(
         {
             "apiVersion": "batch/v1",
             "kind": "Job",
-            "metadata": o.metadata(run, trainer_name(name), TRAINER),
+            "metadata": o.metadata(run, worker_name(name, worker), TRAINER, **worker_label),
             "spec": {
                 "backoffLimit": settings.trainer.backoff_limit,
-                "template": {
-                    "metadata": {"labels": o.labels("TrainingRun", name, TRAINER)},
-                    "spec": pod,
-                },
+                "template": {"metadata": {"labels": labels}, "spec": pod},
             },
         }
     )
 
 
-def ray_job(
+def jobs(
     run: Mapping[str, Any],
     spec: TrainingRunSpec,
     fleet: RolloutFleetSpec,
     pool: SandboxPoolSpec,
     settings: OperatorSettings,
-    ray_version: str = "v1",
-) -> o.Obj:
-    """Several trainer workers: a KubeRay RayJob (head + workers-1 worker pods); the
-    entrypoint runs on the Ray cluster and joins it (KUBESTAR_RAY_ADDRESS=auto)."""
-    name = run["metadata"]["name"]
-    env = trainer_env(run, spec, fleet, pool, settings, ray_address="auto")
-    head = _pod_spec(run, spec, settings, env, [])
-    head["containers"][0].pop("command")
-    head["containers"][0]["name"] = "ray-head"
-    worker = _pod_spec(run, spec, settings, env, [])
-    worker["containers"][0].pop("command")
-    worker["containers"][0]["name"] = "ray-worker"
-    labels = o.labels("TrainingRun", name, TRAINER)
-    replicas = spec.trainer.workers - 1
-    return o.with_hash(
-        {
-            "apiVersion": f"{RAY_GROUP}/{ray_version}",
-            "kind": "RayJob",
-            "metadata": o.metadata(run, trainer_name(name), TRAINER),
-            "spec": {
-                "entrypoint": " ".join(TRAIN_COMMAND),
-                "shutdownAfterJobFinishes": True,
-                "rayClusterSpec": {
-                    "headGroupSpec": {
-                        "rayStartParams": {"dashboard-host": settings.network.bind_address},
-                        "template": {"metadata": {"labels": labels}, "spec": head},
-                    },
-                    "workerGroupSpecs": [
-                        {
-                            "groupName": "trainer",
-                            "replicas": replicas,
-                            "minReplicas": replicas,
-                            "maxReplicas": replicas,
-                            "rayStartParams": {},
-                            "template": {"metadata": {"labels": labels}, "spec": worker},
-                        }
-                    ],
-                },
-            },
-        }
-    )
+) -> list[o.Obj]:
+    """One Job per trainer worker, worker 0 first."""
+    return [job(run, spec, fleet, pool, settings, w) for w in range(spec.trainer.workers)]
 
 
 def rbac(run: Mapping[str, Any]) -> list[o.Obj]:

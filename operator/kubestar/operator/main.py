@@ -5,7 +5,7 @@ Every resource is reconciled level-triggered through one work queue:
 
 - a SandboxPool, RolloutFleet or TrainingRun event reconciles that resource; a fleet or
   pool event also reconciles the TrainingRuns that reference it;
-- an event of a child the operator owns (Deployment, StatefulSet, Job, RayJob, Service,
+- an event of a child the operator owns (Deployment, StatefulSet, Job, Service,
   ConfigMap, Pod; watched with a server-side label selector) reconciles its owner; a deleted
   child is re-created by that reconcile;
 - every `resync_seconds` everything is reconciled again.
@@ -52,7 +52,6 @@ CHILDREN = [
     ("", "v1", "pods"),
     ("", "v1", "services"),
     ("", "v1", "configmaps"),
-    ("ray.io", "v1", "rayjobs"),
 ]
 MANAGED_SELECTOR = f"{o.LABEL_MANAGED_BY}={o.MANAGED_BY}"
 # Children's events (and a fleet's or pool's for its runs) wait this long, so that a burst

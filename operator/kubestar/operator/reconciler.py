@@ -63,20 +63,6 @@ class Context:
     exists: set[tuple[str, str, str]] = field(default_factory=set)
     # (namespace, name) -> the TrainingRun phase last seen (an Event per transition).
     phases: dict[tuple[str, str], str] = field(default_factory=dict)
-    # (apiVersion, kind) -> (when asked, served): discovery answers kept for a while.
-    discovery: dict[tuple[str, str], tuple[float, bool]] = field(default_factory=dict)
-    discovery_seconds: float = 10.0
-
-    async def served(self, api_version: str, kind: str) -> bool:
-        """Whether the API server serves a kind (KubeRay's RayJob), asked at most every
-        `discovery_seconds`."""
-        now = time.monotonic()
-        known = self.discovery.get((api_version, kind))
-        if known and now - known[0] < self.discovery_seconds:
-            return known[1]
-        answer = await self.kube.served(api_version, kind)
-        self.discovery[(api_version, kind)] = (now, answer)
-        return answer
 
     def forget_child(self, kind: str, namespace: str, name: str) -> None:
         self.applied.pop((kind, namespace, name), None)

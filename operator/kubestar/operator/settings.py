@@ -50,6 +50,8 @@ class Ports(_Settings):
     sandbox_dispatcher_metrics: int = 9090
     sandbox_worker_metrics: int = 9091
     scheduler_metrics: int = 9092
+    # Worker 0 of a sharded trainer: torch.distributed's store, where the world meets.
+    trainer_rendezvous: int = 29500
 
 
 class SandboxDefaults(_Settings):

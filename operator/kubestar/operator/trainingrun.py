@@ -1,10 +1,10 @@
 """TrainingRun: waits for its RolloutFleet and SandboxPool to be Ready, then starts the
-trainer (a Job with one pod and local Ray; with several workers a KubeRay RayJob when KubeRay
-serves `rayjobs.ray.io`, and a condition naming what is missing when it does not). The
-trainer patches stage, step, metrics, checkpoint and time left into the status (see
-kubestar.api.trainer_contract); the operator owns the conditions and the phases Pending and
-Provisioning, fails the run when the trainer workload fails, and refuses (with a condition)
-spec changes once the trainer runs: the trainer read its spec when it started.
+trainer (one Job per worker and the headless Service where the workers meet, see
+kubestar.operator.build_trainer). The trainer patches stage, step, metrics, checkpoint and
+time left into the status (see kubestar.api.trainer_contract); the operator owns the
+conditions and the phases Pending and Provisioning, fails the run when a trainer Job fails,
+and refuses (with a condition) spec changes once the trainer runs: the trainer read its spec
+when it started.
 
     Pending -> Provisioning -> (SFT) -> Training -> Succeeded | Failed
 """
@@ -41,7 +41,6 @@ from kubestar.operator.sandboxpool import validation_message
 from pydantic import ValidationError
 
 KIND = "TrainingRun"
-RAY_VERSIONS = ("v1", "v1alpha1")
 
 
 def diff_paths(old: Any, new: Any, prefix: str = "spec") -> list[str]:
@@ -168,27 +167,33 @@ def job_outcome(job: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]]
     return Outcome("starting", Reason.STARTING, "the trainer pod is starting")
 
 
-def ray_outcome(ray_job: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]]) -> Outcome:
-    if ray_job is None:
+def workers_outcome(
+    jobs: Sequence[Mapping[str, Any] | None], pods: Sequence[Mapping[str, Any]]
+) -> Outcome:
+    """The trainer's outcome from its workers' Jobs (worker 0 first): failed when one
+    failed, succeeded when all completed, running when all run."""
+    if all(job is None for job in jobs):
         return Outcome("absent")
-    status = ray_job.get("status") or {}
-    job_status = status.get("jobStatus", "")
-    deployment = status.get("jobDeploymentStatus", "")
-    reason, message = cond.summarize(cond.diagnose(pods))
-    if job_status == "SUCCEEDED":
-        return Outcome("succeeded", Reason.SUCCEEDED, "the RayJob succeeded")
-    if job_status in ("FAILED", "STOPPED") or deployment == "Failed":
-        detail = status.get("message", "") or message
-        return Outcome(
-            "failed",
-            reason or Reason.RAY_JOB_FAILED,
-            f"RayJob {job_status or deployment}: {detail}".rstrip(": "),
-        )
-    if reason:
-        return Outcome("starting", reason, message)
-    if job_status == "RUNNING":
-        return Outcome("running", Reason.RUNNING, "the RayJob is running")
-    return Outcome("starting", Reason.STARTING, f"RayJob {deployment or 'starting'}")
+    outcomes: list[Outcome] = []
+    for worker, job in enumerate(jobs):
+        if job is None:  # created a moment ago, or deleted by hand (then it stays starting)
+            outcomes.append(Outcome("starting", Reason.STARTING, "creating the trainer's Jobs"))
+            continue
+        uid = job["metadata"].get("uid", "")
+        outcome = job_outcome(job, [pod for pod in pods if own(pod, uid)])
+        if len(jobs) > 1 and outcome.message:
+            outcome.message = f"worker {worker}: {outcome.message}"
+        outcomes.append(outcome)
+    for state in ("failed", "starting"):
+        for outcome in outcomes:
+            if outcome.state == state:
+                return outcome
+    if all(outcome.state == "succeeded" for outcome in outcomes):
+        return outcomes[0]
+    if len(jobs) == 1:
+        return outcomes[0]
+    running = sum(outcome.state == "running" for outcome in outcomes)
+    return Outcome("running", Reason.RUNNING, f"{running} of {len(jobs)} trainer pods running")
 
 
 @dataclass
@@ -205,12 +210,10 @@ def decide(
     deps: Condition | None,
     deps_exist: bool,
     outcome: Outcome,
-    blocked: tuple[str, str] | None = None,
 ) -> Decision:
     """The phase, conditions and whether to start the trainer (pure).
 
     spec_problem: (reason, message) for an invalid spec or a refused change.
-    blocked: (reason, message) when the workload cannot be created (KubeRay missing).
     """
     accepted = ConditionType.SPEC_ACCEPTED
     conditions: list[Condition] = []
@@ -240,17 +243,13 @@ def decide(
         phase = Phase(phase_now)
     elif outcome.state != "absent":
         phase = Phase.PROVISIONING
-    elif invalid or not deps_exist or blocked:
+    elif invalid or not deps_exist:
         phase = Phase.PENDING
     else:
         phase = Phase.PROVISIONING
 
     start = (
-        outcome.state == "absent"
-        and phase not in TERMINAL_PHASES
-        and deps_ready
-        and not invalid
-        and blocked is None
+        outcome.state == "absent" and phase not in TERMINAL_PHASES and deps_ready and not invalid
     )
     trainer_ready = ConditionType.TRAINER_READY
     if outcome.state == "absent":
@@ -258,8 +257,6 @@ def decide(
             trainer = condition(
                 trainer_ready, False, Reason.FINISHED, "the run is over", generation
             )
-        elif blocked:
-            trainer = condition(trainer_ready, False, *blocked, generation)
         elif start:
             trainer = condition(
                 trainer_ready, False, Reason.CREATING, "creating the trainer", generation
@@ -293,14 +290,6 @@ def step_summary(status: Mapping[str, Any]) -> str:
     return f"{status.get('step') or 0}/{total}" if total else ""
 
 
-async def ray_version(ctx: Context) -> str | None:
-    """The ray.io version that serves RayJob, or None (KubeRay not installed)."""
-    for version in RAY_VERSIONS:
-        if await ctx.served(f"{build_trainer.RAY_GROUP}/{version}", "RayJob"):
-            return version
-    return None
-
-
 async def reconcile(ctx: Context, run: dict[str, Any]) -> None:
     meta = run["metadata"]
     name, namespace = meta["name"], meta["namespace"]
@@ -317,34 +306,26 @@ async def reconcile(ctx: Context, run: dict[str, Any]) -> None:
         spec_problem = (Reason.INVALID_SPEC, validation_message(error))
 
     # Once the trainer runs, its spec is the one in run.yaml; changes are refused.
-    trainer = build_trainer.trainer_name(name)
-    config, job = await asyncio.gather(
-        ctx.kube.get(k.path("v1", "ConfigMap", namespace, build_trainer.config_name(name))),
-        ctx.kube.get(k.path("batch/v1", "Job", namespace, trainer)),
-    )
     # Children of an earlier run of the same name (deleted, not yet garbage-collected) are
-    # not this run's: its Job's outcome must not end this run. Applying over them is then a
+    # not this run's: their outcome must not end this run. Applying over them is then a
     # ChildConflict until the garbage collector has removed them.
     uid = meta.get("uid", "")
-    config, job = own(config, uid), own(job, uid)
-    accepted = accepted_spec(config)
-    ray_job = None
-    version = None
-    workers = (
-        spec.trainer.workers
-        if spec
-        else int(((accepted or {}).get("trainer") or {}).get("workers", 1))
+    config = own(
+        await ctx.kube.get(k.path("v1", "ConfigMap", namespace, build_trainer.config_name(name))),
+        uid,
     )
-    if workers > 1:
-        version = await ray_version(ctx)
-        if version:
-            ray_job = own(
-                await ctx.kube.get(
-                    k.path(f"{build_trainer.RAY_GROUP}/{version}", "RayJob", namespace, trainer)
-                ),
-                uid,
-            )
-    started = job is not None or ray_job is not None
+    accepted = accepted_spec(config)
+    workers = int(((accepted or {}).get("trainer") or {}).get("workers", 1))
+    if spec is not None and accepted is None:
+        workers = spec.trainer.workers
+    job_names = [build_trainer.worker_name(name, worker) for worker in range(workers)]
+    jobs = list(
+        await asyncio.gather(
+            *(ctx.kube.get(k.path("batch/v1", "Job", namespace, job)) for job in job_names)
+        )
+    )
+    jobs = [own(job, uid) for job in jobs]
+    started = any(job is not None for job in jobs)
 
     if spec is None or spec_problem is not None:
         if not (started and accepted is not None):
@@ -368,6 +349,8 @@ async def reconcile(ctx: Context, run: dict[str, Any]) -> None:
                 "(revert the change, or create a new TrainingRun)",
             )
             spec = TrainingRunSpec.model_validate(accepted)
+    elif not started and (problem := build_trainer.spec_problem(spec, settings)):
+        spec_problem = (Reason.INVALID_SPEC, problem)
 
     try:
         await ctx.apply_all(run, [build_trainer.config_map(run, spec), *build_trainer.rbac(run)])
@@ -384,30 +367,32 @@ async def reconcile(ctx: Context, run: dict[str, Any]) -> None:
     )
     deps, deps_exist = dependencies(spec, namespace, fleet, pool, generation)
 
-    blocked = None
-    if spec.trainer.workers > 1 and version is None and not started:
-        blocked = (
-            Reason.KUBERAY_NOT_INSTALLED,
-            f"spec.trainer.workers is {spec.trainer.workers}: several trainer workers run as a "
-            "KubeRay RayJob, but this cluster does not serve rayjobs.ray.io; install the "
-            "KubeRay operator, or set spec.trainer.workers to 1",
-        )
     pods = await ctx.pods(run) if started else []
-    if job is not None:  # the Job's own pods (not those of an earlier run's Job)
-        pods = [pod for pod in pods if own(pod, job["metadata"].get("uid", ""))]
-    outcome = ray_outcome(ray_job, pods) if ray_job is not None else job_outcome(job, pods)
-    decision = decide(phase_now, generation, spec_problem, deps, deps_exist, outcome, blocked)
+    outcome = workers_outcome(jobs, pods)
+    decision = decide(phase_now, generation, spec_problem, deps, deps_exist, outcome)
 
     extra: dict[str, Any] = {}
+    if started:
+        extra["trainer"] = ",".join(f"Job/{job}" for job in job_names)
+        extra["worldSize"] = build_trainer.world_size(spec)
+        if jobs[0] is not None and build_trainer.world_size(spec) > 1:
+            worker_0 = [pod for pod in pods if own(pod, jobs[0]["metadata"].get("uid", ""))]
+            extra["rendezvousAddress"] = build_trainer.rendezvous_pod_address(worker_0)
     if decision.start and fleet is not None and pool is not None:
         fleet_spec = rolloutfleet.fleet_spec(fleet, settings)
         pool_spec = SandboxPoolSpec.model_validate(pool.get("spec") or {})
-        if spec.trainer.workers > 1 and version:
-            workload = build_trainer.ray_job(run, spec, fleet_spec, pool_spec, settings, version)
-        else:
-            workload = build_trainer.job(run, spec, fleet_spec, pool_spec, settings)
+        workloads = build_trainer.jobs(run, spec, fleet_spec, pool_spec, settings)
+        if build_trainer.world_size(spec) > 1:
+            workloads.insert(0, build_trainer.rendezvous_service(run, settings))
         try:
-            applied = await ctx.apply(run, workload, immutable=True)
+            for workload in workloads:
+                applied = await ctx.apply(run, workload, immutable=True)
+                if applied.action == "created":
+                    await ctx.event(
+                        run,
+                        Reason.TRAINER_CREATED,
+                        f"created {workload['kind']} {workload['metadata']['name']}",
+                    )
         except (k.ApiError, ChildConflict) as error:
             conflict = isinstance(error, ChildConflict)
             reason = Reason.CHILD_CONFLICT if conflict else Reason.APPLY_FAILED
@@ -420,17 +405,8 @@ async def reconcile(ctx: Context, run: dict[str, Any]) -> None:
                 return
             raise
         decision.phase = Phase.PROVISIONING
-        extra["trainer"] = f"{workload['kind']}/{workload['metadata']['name']}"
-        if applied.action == "created":
-            await ctx.event(
-                run,
-                Reason.TRAINER_CREATED,
-                f"created {workload['kind']} {workload['metadata']['name']}",
-            )
-    elif job is not None:
-        extra["trainer"] = f"Job/{trainer}"
-    elif ray_job is not None:
-        extra["trainer"] = f"RayJob/{trainer}"
+        extra["trainer"] = ",".join(f"Job/{job}" for job in job_names)
+        extra["worldSize"] = build_trainer.world_size(spec)
     await _write(ctx, run, decision, extra)
 
 

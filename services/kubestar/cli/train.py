@@ -52,7 +52,8 @@ def train(
     Locally this starts the sandbox, the vLLM engines and the rollout scheduler as processes
     on 127.0.0.1, resumes from the run directory's newest checkpoint unless --fresh, and
     writes metrics.jsonl, status.json, evaluation-*.json and report/ (table and plots).
-    With trainer.processesPerWorker N > 1 it trains in N processes (this one is rank 0).
+    With trainer.workers x trainer.processesPerWorker N > 1 it trains in N processes (this one
+    is rank 0).
     """
     logs.configure(log_level)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -136,8 +137,10 @@ def train(
         f"(logs in {directory / 'logs'})",
         err=True,
     )
-    # The other training ranks: this command again, with torchrun's environment.
-    processes = 1 if "WORLD_SIZE" in os.environ else run.spec.trainer.processes_per_worker
+    # The other training ranks: this command again, with torchrun's environment. Locally
+    # every worker's processes run on this machine.
+    trainer = run.spec.trainer
+    processes = 1 if "WORLD_SIZE" in os.environ else trainer.workers * trainer.processes_per_worker
     rank_command = [sys.executable, "-m", "kubestar.cli.main", "train", "-f", manifest]
     rank_command += ["--run-dir", str(directory), "--log-level", log_level]
     with (
@@ -163,7 +166,7 @@ def train(
 
 def _train_rank(run: TrainingRun, directory: Path, world: World) -> None:
     """A rank other than 0: it trains its shard and takes part in every collective; rollouts,
-    status, metrics and files are rank 0's."""
+    status, metrics and files other than its checkpoint shards are rank 0's."""
     from kubestar.engine.models import resolve_model
     from kubestar.training.distributed import close_world
     from kubestar.training.endpoints import Endpoints
@@ -182,33 +185,55 @@ def _train_rank(run: TrainingRun, directory: Path, world: World) -> None:
 
 
 def _train_in_cluster(run: TrainingRun, directory: Path) -> None:
-    """The trainer pod: endpoints and checkpoint place from the operator, status to the API."""
+    """A trainer pod: endpoints and checkpoint place from the operator, status to the API.
+
+    Worker W of a world of workers x P processes starts ranks W*P .. W*P+P-1 (this process
+    the first) and meets the other pods at worker 0's rendezvous. Rank 0 trains and reports;
+    the other ranks follow its steps."""
     from kubestar.api.trainer_contract import TrainerEnvironment
     from kubestar.api.v1alpha1 import CallLimitsSpec
     from kubestar.engine.models import resolve_model
+    from kubestar.training.distributed import World, local_ranks, rendezvous_host
     from kubestar.training.endpoints import Endpoints
     from kubestar.training.progress import StatusPatcher
     from kubestar.training.session import TrainingSession
 
     env = TrainerEnvironment.from_env()
-    if run.spec.trainer.processes_per_worker > 1:
-        raise click.ClickException(
-            "trainer.processesPerWorker > 1 runs only with `kubestar train -f` on one machine "
-            "for now; set it to 1 in a cluster"
-        )
     if env.checkpoint_dir:
         run.spec.checkpoint.path = env.checkpoint_dir
-    if env.ray_address:
-        run.spec.trainer.ray_address = env.ray_address
-    if env.checkpoint_dir:
         # Weights pushed to the engines must be readable by them: keep the run directory on
         # the checkpoint volume, which the fleet's engines mount at the same path.
         directory = Path(env.checkpoint_dir) / "run"
+    if "WORLD_SIZE" in os.environ:  # a rank this pod's first process started (below)
+        _train_rank(run, directory, World.from_env())
+        return
     directory.mkdir(parents=True, exist_ok=True)
-    model_dir = resolve_model(run.spec.model.path or run.spec.model.name)
-    endpoints = Endpoints(scheduler=env.scheduler_endpoint, sandbox=env.sandbox_endpoint)
-    reporter = StatusPatcher.in_cluster(env)
-    limits = CallLimitsSpec.model_validate(env.sandbox_limits)
-    session = TrainingSession(run, endpoints, directory, model_dir, reporter, call_limits=limits)
-    status = session.run_all()
+    size = env.workers * env.processes
+    master = None
+    if size > 1:
+        host, _, port = env.rendezvous.rpartition(":")
+        run_status = StatusPatcher.in_cluster(env)
+        address = rendezvous_host(host, lambda: run_status.current().get("rendezvousAddress"))
+        master = (address, int(port))
+    first_rank = env.worker_index * env.processes
+    command = [sys.executable, "-m", "kubestar.cli.main", "train", "-f", env.run_config]
+    command += ["--in-cluster"]
+    with local_ranks(size, command, None, first_rank, env.processes, master) as world:
+        pod = os.environ.get("HOSTNAME", "")
+        click.echo(f"trainer worker {env.worker_index} ({pod}): rank {world.rank} of {size}")
+        if not world.main:
+            _train_rank(run, directory, world)
+            return
+        model_dir = resolve_model(run.spec.model.path or run.spec.model.name)
+        endpoints = Endpoints(scheduler=env.scheduler_endpoint, sandbox=env.sandbox_endpoint)
+        session = TrainingSession(
+            run,
+            endpoints,
+            directory,
+            model_dir,
+            StatusPatcher.in_cluster(env),
+            call_limits=CallLimitsSpec.model_validate(env.sandbox_limits),
+            world=world,
+        )
+        status = session.run_all()
     click.echo(f"{status.phase}: {status.step}/{status.total_steps} steps")

@@ -47,7 +47,6 @@ PLURALS: dict[str, str] = {
     "ClusterRole": "clusterroles",
     "ClusterRoleBinding": "clusterrolebindings",
     "Lease": "leases",
-    "RayJob": "rayjobs",
     "SandboxPool": "sandboxpools",
     "RolloutFleet": "rolloutfleets",
     "TrainingRun": "trainingruns",
@@ -295,16 +294,6 @@ class Kube:
             if error.status == 404:
                 return None
             raise
-
-    async def served(self, api_version: str, kind: str) -> bool:
-        """Whether the API server serves this kind (e.g. KubeRay's RayJob)."""
-        try:
-            resources = await self.request("GET", api_base(api_version))
-        except ApiError as error:
-            if error.status == 404:
-                return False
-            raise
-        return any(r.get("kind") == kind for r in resources.get("resources") or [])
 
     async def wait_ready(self, timeout: float = 30.0) -> None:
         deadline = asyncio.get_running_loop().time() + timeout

@@ -8,15 +8,17 @@ already normalised by the whole step's token count, see `Policy.grpo_step`).
 World size 1 is today's trainer: no process group, the plain model on one device.
 
 The environment is torchrun's: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
-Backends: gloo on CPU, NCCL (RCCL on ROCm) on GPUs. `local_ranks` starts a world on one
-machine: this process is rank 0, the others are child processes.
+Backends: gloo on CPU, NCCL (RCCL on ROCm) on GPUs. `local_ranks` starts this machine's (or
+pod's) share of a world: this process is its first rank, the others are child processes. A
+world over several pods meets at worker 0's rendezvous (`rendezvous_host`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -171,41 +173,84 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
 
 
+def rendezvous_host(host: str, published: Callable[[], str | None], timeout: float = 600.0) -> str:
+    """The address of worker 0: `host` when DNS resolves it (a cluster's DNS for the headless
+    Service), else what `published()` returns (the address the operator publishes in the
+    run's status; the only way when `host` is empty, on clusters without DNS), waiting for
+    worker 0's pod to get one."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout
+    delay = 0.5
+    while True:
+        try:
+            if host:
+                socket.getaddrinfo(host, None)
+                return host
+        except socket.gaierror:
+            pass
+        address = published()
+        if address:
+            return address
+        if time.monotonic() > deadline:
+            where = host or "status.rendezvousAddress"
+            raise TimeoutError(
+                f"no address for the trainer's rendezvous ({where}) in {timeout:.0f} s"
+            )
+        time.sleep(delay)  # worker 0's pod is not scheduled yet: poll, backing off
+        delay = min(delay * 2, 5.0)
+
+
 @contextmanager
-def local_ranks(size: int, command: Sequence[str], log_dir: Path) -> Iterator[World]:
-    """A world of `size` processes on this machine: this process is rank 0, ranks 1..size-1
-    run `command` with torchrun's environment (rendezvous on 127.0.0.1, a free port), each
-    logging to log_dir/rank-N.log. Yields this process's World; on the way out waits for the
-    other ranks and stops any still running."""
+def local_ranks(
+    size: int,
+    command: Sequence[str],
+    log_dir: Path | None,
+    first_rank: int = 0,
+    processes: int | None = None,
+    master: tuple[str, int] | None = None,
+) -> Iterator[World]:
+    """This machine's `processes` ranks of a world of `size` (all of them by default): this
+    process is rank `first_rank`, ranks first_rank+1 .. run `command` with torchrun's
+    environment, each logging to log_dir/rank-N.log (or to this process's output when
+    log_dir is None). `master`: worker 0's rendezvous (default 127.0.0.1 and a free port,
+    for a world on this machine alone). Yields this process's World; on the way out waits for
+    the other ranks and stops any still running."""
+    processes = size if processes is None else processes
     if size <= 1:
         yield SINGLE
         return
     from kubestar.common.net import free_port
 
-    shared = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(size)}
+    address, port = master or ("127.0.0.1", free_port())
+    shared = {"MASTER_ADDR": address, "MASTER_PORT": str(port), "WORLD_SIZE": str(size)}
     saved = {key: os.environ.get(key) for key in (*shared, "RANK", "LOCAL_RANK")}
-    os.environ.update(shared, RANK="0", LOCAL_RANK="0")
-    log_dir.mkdir(parents=True, exist_ok=True)
-    processes: list[subprocess.Popen[bytes]] = []
+    os.environ.update(shared, RANK=str(first_rank), LOCAL_RANK="0")
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    processes_started: list[subprocess.Popen[bytes]] = []
+    ranks = range(first_rank + 1, first_rank + processes)
     try:
-        for rank in range(1, size):
-            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            with (log_dir / f"rank-{rank}.log").open("wb") as log:
-                processes.append(
+        for local, rank in enumerate(ranks, start=1):
+            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(local)}
+            log = (log_dir / f"rank-{rank}.log").open("wb") if log_dir is not None else None
+            with log or contextlib.nullcontext():
+                processes_started.append(
                     subprocess.Popen(
                         list(command),
                         env=env,
                         stdout=log,
-                        stderr=subprocess.STDOUT,
-                        # A rank 0 killed outright (OOM, SIGKILL) takes the others with it.
+                        stderr=subprocess.STDOUT if log else None,
+                        # A first rank killed outright (OOM, SIGKILL) takes the others with it.
                         preexec_fn=_die_with_parent,
                     )
                 )
-        yield World(rank=0, size=size, local_rank=0)
-        for process in processes:
+        yield World(rank=first_rank, size=size, local_rank=0)
+        for process in processes_started:
             process.wait(timeout=300)
     finally:
-        for process in processes:
+        for process in processes_started:
             if process.poll() is None:
                 process.terminate()
                 try:
@@ -219,6 +264,8 @@ def local_ranks(size: int, command: Sequence[str], log_dir: Path) -> Iterator[Wo
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    failed = [rank for rank, p in enumerate(processes, start=1) if p.returncode != 0]
+    started = zip(ranks, processes_started, strict=False)  # fewer when a start failed
+    failed = [rank for rank, p in started if p.returncode != 0]
     if failed:
-        raise RuntimeError(f"training ranks {failed} failed; see {log_dir}/rank-N.log")
+        where = f"; see {log_dir}/rank-N.log" if log_dir is not None else ""
+        raise RuntimeError(f"training ranks {failed} failed{where}")

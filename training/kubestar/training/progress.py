@@ -56,6 +56,13 @@ class StatusPatcher:
             self.connection, lambda client: client.merge_patch(self.path, body), self.timeout
         )
 
+    def current(self) -> dict[str, Any]:
+        """The run's status as the API server holds it now ({} while it has none)."""
+        run = kube.call_blocking(
+            self.connection, lambda client: client.get(self.path), self.timeout
+        )
+        return dict((run or {}).get("status") or {})
+
     def report(self, status: TrainingRunStatus) -> None:
         """Best effort: a failed patch is logged, never raised nor retried (training goes on;
         the next report carries the whole state again)."""
