@@ -455,8 +455,14 @@ def test_run_succeeds_with_step_metrics_and_checkpoint(tools: Tools, settings: S
         return trainer if trainer and trainer["reason"] == "Succeeded" else None
 
     wait_for("TrainerReady to say Succeeded", trainer_done, timeout=120, interval=2)
-    job = tools.kubectl_json("get", "job", f"{RUN}-trainer", "-n", settings.namespace)
-    assert job["status"].get("succeeded") == 1, job["status"]
+    # Both trainer pods took part: one world of 2, each pod a rank of it.
+    assert final.get("worldSize") == 2, final
+    for worker, job_name in enumerate((f"{RUN}-trainer", f"{RUN}-trainer-1")):
+        job = tools.kubectl_json("get", "job", job_name, "-n", settings.namespace)
+        assert job["status"].get("succeeded") == 1, job["status"]
+        log = tools.kubectl_text("logs", f"job/{job_name}", "-n", settings.namespace)
+        (settings.out / f"{job_name}.log").write_text(log)
+        assert f"rank {worker} of 2" in log, log[-2000:]
     if settings.checkpoint_host_dir is not None:
         on_host = settings.checkpoint_host_dir / Path(checkpoint).relative_to(CHECKPOINT_DIR)
         assert on_host.is_dir(), on_host
