@@ -328,3 +328,27 @@ def test_a_new_run_ignores_the_trainer_job_of_an_earlier_one(
     assert not (job.get("status") or {}).get("conditions")
     wait_condition(cluster, path, "TrainerReady", "False", "Starting")
     assert phase(cluster, namespace, "tiny-cpu") == "Provisioning"
+
+
+def test_a_service_account_of_the_trainers_name_is_not_adopted(
+    cluster: LocalCluster, operator: OperatorProcess, kubelet: FakeKubelet, namespace: str
+) -> None:
+    """Someone's own ServiceAccount named <run>-trainer: the operator neither takes it over
+    nor starts the trainer under it; the run says which object is in the way."""
+    api = cluster.api()
+    accounts = core(namespace, "serviceaccounts")
+    api.create(
+        accounts,
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "tiny-cpu-trainer"}},
+    )
+    api.create(kubestar(namespace, "trainingruns"), example("TrainingRun"))
+    api.create(kubestar(namespace, "sandboxpools"), example("SandboxPool"))
+    api.create(kubestar(namespace, "rolloutfleets"), example("RolloutFleet"))
+    ready_dependencies(kubelet, namespace)
+    path = kubestar(namespace, "trainingruns", "tiny-cpu")
+    conflict = wait_condition(cluster, path, "SpecAccepted", "False", "ChildConflict")
+    assert "ServiceAccount tiny-cpu-trainer exists and is not owned by" in conflict["message"]
+    wait_condition(cluster, path, "DependenciesReady", "True")
+    account = api.get(f"{accounts}/tiny-cpu-trainer") or {}
+    assert not account["metadata"].get("ownerReferences"), account["metadata"]
+    assert api.get(apis("batch/v1", namespace, "jobs", "tiny-cpu-trainer")) is None

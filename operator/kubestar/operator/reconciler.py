@@ -80,16 +80,14 @@ class Context:
             return Applied(desired, "unchanged")
         url = k.path_of(desired)
         if key not in self.exists and not owner.get("status"):
-            # A resource never reconciled yet has no children: apply without reading first
-            # (one round trip). Not forced, so an object someone else owns conflicts (409)
-            # and falls through to the checks below.
+            # A resource never reconciled yet has no children: create without reading first
+            # (one round trip). A create, not an apply: an apply would merge into an object of
+            # the same name that someone else made (and so adopt it); a create of one that
+            # exists fails (409) and falls through to the ownership check below.
+            collection = k.path(desired["apiVersion"], desired["kind"], meta["namespace"])
             try:
                 created = await self.kube.request(
-                    "PATCH",
-                    url,
-                    desired,
-                    params={"fieldManager": FIELD_MANAGER},
-                    content_type="application/apply-patch+yaml",
+                    "POST", collection, desired, params={"fieldManager": FIELD_MANAGER}
                 )
             except k.ApiError as error:
                 if error.status != 409:

@@ -224,9 +224,11 @@ def decide(
     if deps is not None:
         conditions.append(deps)
     deps_ready = deps is not None and deps.status == ConditionStatus.TRUE
+    # An invalid spec, or a child of the run's name that is not the run's (a service account
+    # the trainer would run as, say): the trainer does not start.
     invalid = (
         spec_problem is not None
-        and spec_problem[0] == Reason.INVALID_SPEC
+        and spec_problem[0] in (Reason.INVALID_SPEC, Reason.CHILD_CONFLICT)
         and (outcome.state == "absent")
     )
 
