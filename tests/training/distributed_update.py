@@ -6,17 +6,29 @@ runs one rank of a world described by torchrun's environment (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT). Rank 0 writes the full parameters after the update (params.pt)
 and the weights folder the engines would load (weights/); every rank writes what it holds
 (rank-N.json).
+
+    python -m tests.training.distributed_update MODEL_DIR OUT_DIR --checkpoint save|resume
+
+runs one rank of the checkpoint scenario (test_checkpoint): `save` takes a step, writes the
+engines' folder in small buckets and a checkpoint, then takes the next steps; `resume` loads
+the newest checkpoint into a fresh policy and takes the same next steps.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from kubestar.training.distributed import ShardingConfig, World, close_world
+from kubestar.training import checkpoint
+from kubestar.training.batch import TokenBatch, make_batch
+from kubestar.training.checkpoint import RunState
+from kubestar.training.distributed import ShardingConfig, World, close_world, shard
 from kubestar.training.policy import OptimizerConfig, Policy
 from kubestar.training.trainer import AlgorithmConfig, GrpoTrainer
 from kubestar.training.trajectory import Trajectory
@@ -46,10 +58,10 @@ def tiny_llama(folder: Path) -> Path:
     return folder
 
 
-def trajectories() -> list[Trajectory]:
+def trajectories(seed: int = 7) -> list[Trajectory]:
     """Three problems (4, 4 and 3 samples) whose responses range from 2 to 60 tokens, with
     tool tokens masked out: the ranks' shares hold very different numbers of loss tokens."""
-    rng = random.Random(7)
+    rng = random.Random(seed)
     made: list[Trajectory] = []
     for problem, samples in enumerate((4, 4, 3)):
         for sample in range(samples):
@@ -98,18 +110,72 @@ def local_numel(policy: Policy) -> int:
     )
 
 
+def run_ranks(size: int, *args: str) -> None:
+    """`python -m tests.training.distributed_update ARGS` as `size` ranks on 127.0.0.1, as
+    torchrun would start them; fails with the log of the first rank that failed."""
+    from kubestar.common.net import free_port
+
+    from tests.real_parts import REPO
+
+    port = free_port()
+    processes = []
+    for rank in range(size):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.training.distributed_update", *args],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    logs = []
+    try:
+        for process in processes:
+            output, _ = process.communicate(timeout=300)
+            logs.append(output)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    for rank, process in enumerate(processes):
+        assert process.returncode == 0, f"rank {rank} failed:\n{logs[rank][-3000:]}"
+
+
+def full_parameters(policy: Policy) -> dict[str, torch.Tensor]:
+    """Every parameter whole, in fp32 (collective when sharded: each DTensor all-gathered)."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+        for name, value in policy.model.state_dict().items()
+    }
+
+
 def main(model_dir: Path, out: Path, activation_checkpointing: bool) -> None:
     world = World.from_env()
     policy, metrics = one_update(model_dir, world, activation_checkpointing)
-    state = policy.state()  # collective: every rank takes part, rank 0 gets the full state
+    params = full_parameters(policy)
     if world.main:
-        torch.save(state["model"], out / "params.pt")
+        torch.save(params, out / "params.pt")
     policy.save_weights(out / "weights")
     before = [p.detach().clone() for p in policy.model.parameters()]
+    # A checkpoint round trip: each rank writes and reads back its own shards.
+    checkpoint.save(out / "checkpoints", policy, RunState(global_step=1), keep=1)
     with torch.no_grad():
         for parameter in policy.model.parameters():
             parameter.zero_()
-    policy.load_state(state)  # rank 0's full state scattered back to the shards
+    checkpoint.load(out / "checkpoints" / "step-000001", policy)
     after = policy.model.parameters()
     reloaded = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     report = {
@@ -124,5 +190,76 @@ def main(model_dir: Path, out: Path, activation_checkpointing: bool) -> None:
     close_world()
 
 
+# The checkpoint scenario: one step, a checkpoint, then a GRPO step and an SFT step.
+SMALL_BUCKET_BYTES = 64 * 1024
+SFT_ROWS = 5
+
+
+def sft_batch() -> TokenBatch:
+    """Five prompt + answer rows of 4 to 40 tokens (the same on every rank)."""
+    rng = random.Random(11)
+    prompts, answers = [], []
+    for _ in range(SFT_ROWS):
+        prompts.append([rng.randrange(VOCAB) for _ in range(rng.randint(3, 9))])
+        answers.append([rng.randrange(VOCAB) for _ in range(rng.randint(4, 40))])
+    return make_batch(prompts, answers, [[1] * len(a) for a in answers], pad_id=0)
+
+
+def new_policy(model_dir: Path, world: World) -> tuple[Policy, GrpoTrainer]:
+    policy = Policy(
+        model_dir,
+        OptimizerConfig(learning_rate=LEARNING_RATE),
+        device="cpu",
+        micro_batch_size=MICRO_BATCH_SIZE,
+        world=world,
+    )
+    return policy, GrpoTrainer(policy, ALGORITHM, pad_id=0, seed=0)
+
+
+def next_steps(policy: Policy, trainer: GrpoTrainer) -> dict[str, float]:
+    """The steps after the checkpoint: a GRPO update on a new batch, then an SFT step."""
+    world = policy.world
+    grpo = trainer.update(trajectories(seed=8) if world.main else [])
+    sft = policy.sft_step(sft_batch().rows(shard(SFT_ROWS, world)))
+    return {"grpo_loss": grpo["train_loss"], "sft_loss": sft["loss"]}
+
+
+def checkpoint_scenario(model_dir: Path, out: Path, phase: str) -> None:
+    """`save`: step 1, the engines' folder in small buckets (weights/), checkpoint (its
+    weights linked from weights/), the next steps (continued-*). `resume`: the newest
+    checkpoint, then the same next steps (resumed-*)."""
+    world = World.from_env()
+    policy, trainer = new_policy(model_dir, world)
+    checkpoints = out / "checkpoints"
+    if phase == "save":
+        trainer.update(trajectories() if world.main else [])
+        trained = full_parameters(policy)
+        policy.save_weights(out / "weights", bucket_bytes=SMALL_BUCKET_BYTES)
+        state = RunState(global_step=1, rng_state=trainer.rng.getstate())
+        checkpoint.save(checkpoints, policy, state, keep=2, weights=out / "weights")
+        if world.main:
+            torch.save(trained, out / "trained.pt")
+            written = policy.last_weights
+            assert written is not None
+            record = {**asdict(written), "folder": str(written.folder)}
+            (out / "weights-written.json").write_text(json.dumps(record))
+    else:
+        latest = checkpoint.latest(checkpoints)
+        assert latest is not None
+        state = checkpoint.load(latest, policy)
+        trainer.rng.setstate(state.rng_state)
+    losses = next_steps(policy, trainer)
+    params = full_parameters(policy)
+    name = "continued" if phase == "save" else f"resumed-{world.size}"
+    if world.main:
+        torch.save(params, out / f"{name}.pt")
+    (out / f"{name}-rank-{world.rank}.json").write_text(json.dumps(losses))
+    close_world()
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]), "--activation-checkpointing" in sys.argv[3:])
+    if "--checkpoint" in sys.argv:
+        phase = sys.argv[sys.argv.index("--checkpoint") + 1]
+        checkpoint_scenario(Path(sys.argv[1]), Path(sys.argv[2]), phase)
+    else:
+        main(Path(sys.argv[1]), Path(sys.argv[2]), "--activation-checkpointing" in sys.argv[3:])

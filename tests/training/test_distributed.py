@@ -4,62 +4,25 @@ processes, FSDP2) leaves the same parameters as at world size 1 on the same batc
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.real_parts import REPO, require_modules
+from tests.real_parts import require_modules
 
 require_modules("torch", "transformers")
 
 import torch  # noqa: E402
-from kubestar.common.net import free_port  # noqa: E402
 from kubestar.training.distributed import World, shard  # noqa: E402
 
-from tests.training.distributed_update import one_update, tiny_llama  # noqa: E402
+from tests.training.distributed_update import one_update, run_ranks, tiny_llama  # noqa: E402
 
 WORLD_SIZE = 2
 
 
 def run_world(model_dir: Path, out: Path, size: int, *options: str) -> list[dict[str, object]]:
     """`size` processes on 127.0.0.1, as torchrun would start them."""
-    port = free_port()
-    processes = []
-    for rank in range(size):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(size),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-        command = [sys.executable, "-m", "tests.training.distributed_update", str(model_dir)]
-        processes.append(
-            subprocess.Popen(
-                [*command, str(out), *options],
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    logs = []
-    try:
-        for process in processes:
-            output, _ = process.communicate(timeout=300)
-            logs.append(output)
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-    for rank, process in enumerate(processes):
-        assert process.returncode == 0, f"rank {rank} failed:\n{logs[rank][-3000:]}"
+    run_ranks(size, str(model_dir), str(out), *options)
     return [json.loads((out / f"rank-{rank}.json").read_text()) for rank in range(size)]
 
 

@@ -10,8 +10,6 @@ methods are collective (every rank calls them, in the same order).
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,20 +22,12 @@ from kubestar.training.distributed import (
     ShardingConfig,
     World,
     all_reduce,
-    barrier,
     device_for,
     init_world,
     shard_model,
 )
 from kubestar.training.grpo import GrpoConfig, grpo_loss
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "generation_config.json",
-)
+from kubestar.training.weights import DEFAULT_BUCKET_BYTES, WeightsWritten, write_weights
 
 
 @dataclass
@@ -49,6 +39,8 @@ class OptimizerConfig:
 
 
 class Policy:
+    last_weights: WeightsWritten | None = None  # the newest save_weights's record
+
     def __init__(
         self,
         model_path: str | Path,
@@ -194,74 +186,34 @@ class Policy:
         full = getattr(norm, "full_tensor", None)
         return float(full() if full else norm)
 
-    def save_weights(self, folder: str | Path) -> Path:
-        """A Hugging Face folder (bf16 safetensors + config + tokenizer) for the engines.
-
-        Sharded: every rank takes part in gathering the full weights; rank 0 writes them."""
-        target = Path(folder)
-        weights = self._full_model_state()
-        if not self.world.main:
-            barrier(self.world)
-            return target
-        tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(
-            tmp,
-            safe_serialization=True,
-            state_dict={k: v.to(torch.bfloat16) for k, v in weights.items()},
+    def save_weights(self, folder: str | Path, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Path:
+        """A Hugging Face folder (bf16 safetensors + config + tokenizer) for the engines,
+        gathered bucket by bucket (`kubestar.training.weights`): every rank takes part, rank 0
+        writes and holds at most one bucket of `bucket_bytes`. What was written is kept in
+        `last_weights`."""
+        self.last_weights = write_weights(
+            self.model, self.source, Path(folder), self.world, bucket_bytes
         )
-        for name in TOKENIZER_FILES:
-            if (self.source / name).exists():
-                shutil.copy(self.source / name, tmp / name)
-        config_path = tmp / "config.json"
-        config_path.write_text(config_path.read_text().replace('"float32"', '"bfloat16"'))
-        shutil.rmtree(target, ignore_errors=True)
-        tmp.rename(target)
-        barrier(self.world)  # no rank goes on before the folder is in place
-        return target
+        return self.last_weights.folder
 
-    def _full_model_state(self) -> dict[str, torch.Tensor]:
-        """The whole fp32 state dict: the model's own at world size 1; sharded, gathered to
-        rank 0's CPU memory (the other ranks get an empty dict)."""
-        if not self.world.sharded:
-            return dict(self.model.state_dict())
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
+    def state(self) -> dict[str, Any]:
+        """Weights and optimizer moments for a checkpoint, as this rank holds them: sharded
+        state dicts (each DTensor its local shard, keyed by parameter name) that
+        torch.distributed.checkpoint writes rank by rank and reshards on load; plain
+        tensors at world size 1. Nothing is gathered."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optimizer": optimizer}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Put `state` (the structure of `state()`, its tensors filled in by a checkpoint
+        load) into the model and the optimizer."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
         )
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.model, options=options)  # type: ignore[return-value]
-
-    def state(self) -> dict[str, object]:
-        """Weights and optimizer moments. Sharded: full (unsharded) state gathered to rank 0."""
-        if not self.world.sharded:
-            return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_optimizer_state_dict,
-        )
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return {
-            "model": self._full_model_state(),
-            "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=options),
-        }
-
-    def load_state(self, state: dict[str, object]) -> None:
-        """The inverse of `state`. Sharded: rank 0's full state, scattered to every rank."""
-        if not self.world.sharded:
-            self.model.load_state_dict(state["model"])  # type: ignore[arg-type]
-            self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
-            return
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        model: Any = state.get("model", {})
-        optimizer: Any = state.get("optimizer", {})
-        set_model_state_dict(self.model, model, options=options)
-        set_optimizer_state_dict(self.model, self.optimizer, optimizer, options=options)

@@ -13,7 +13,7 @@ services as local processes) and in the trainer Job of a cluster (services behin
 
 A sharded trainer runs one session per rank. Rank 0 drives: rollouts, evaluation, metrics,
 status and the files; the other ranks follow the same stages and steps and take part in every
-collective (the update, gathering weights for the engines and checkpoints).
+collective (the update, gathering weights for the engines, writing a checkpoint's shards).
 """
 
 from __future__ import annotations
@@ -202,9 +202,9 @@ class TrainingSession:
             )
             if main:
                 self.metrics.append({"step": 0, "stage": "sft", **sft_metrics})
-            self._push_weights(policy, worker, version=0)
+            pushed = self._push_weights(policy, worker, version=0)
             state.sft_done = True
-            self._checkpoint(policy, state, trainer)
+            self._checkpoint(policy, state, trainer, weights=pushed)
             if "sft" in self.spec.evaluation.at:
                 self._evaluate(worker, "sft")
 
@@ -235,7 +235,7 @@ class TrainingSession:
                 metrics = trainer.update(trajectories)  # sharded: rank 0's trajectories
                 state.global_step += 1
                 state.stage_step = step + 1
-                self._push_weights(policy, worker, version=state.global_step)
+                pushed = self._push_weights(policy, worker, version=state.global_step)
                 if main:
                     metrics.update(
                         step_seconds=time.monotonic() - started,
@@ -251,7 +251,7 @@ class TrainingSession:
                     state.global_step % self.spec.checkpoint.every_steps == 0
                     or state.stage_step == stage.steps
                 ):
-                    self._checkpoint(policy, state, trainer)
+                    self._checkpoint(policy, state, trainer, weights=pushed)
         if "end" in self.spec.evaluation.at:
             self._evaluate(worker, "end")
         self._set_phase(Phase.SUCCEEDED, Reason.COMPLETED, f"{self.status.total_steps} steps done")
@@ -336,22 +336,29 @@ class TrainingSession:
 
     def _push_weights(
         self, policy: Policy, worker: Any, version: int, folder: Path | None = None
-    ) -> None:
+    ) -> Path:
+        """Write the policy's weights (unless `folder` holds them already) and have every
+        engine load them; returns the folder, which a checkpoint of this step reuses."""
         import ray
 
         if folder is None:
             folder = policy.save_weights(self.weights_dir / f"v{version:06d}")  # collective
         if not self.world.main:
-            return
+            return folder
         ray.get(worker.update_weights.remote(str(folder), version))
         # Engines have loaded it: older weight folders are no longer needed.
         for old in self.weights_dir.glob("v*"):
             if old != folder:
                 shutil.rmtree(old, ignore_errors=True)
+        return folder
 
-    def _checkpoint(self, policy: Policy, state: RunState, trainer: GrpoTrainer) -> None:
+    def _checkpoint(
+        self, policy: Policy, state: RunState, trainer: GrpoTrainer, weights: Path
+    ) -> None:
+        """`weights`: this step's folder, already pushed: linked, not gathered again."""
         state.rng_state = trainer.rng.getstate()
-        path = checkpoint.save(self.checkpoints, policy, state, self.spec.checkpoint.keep)
+        keep = self.spec.checkpoint.keep
+        path = checkpoint.save(self.checkpoints, policy, state, keep, weights=weights)
         if not self.world.main:
             return
         self.status.last_checkpoint = str(path)

@@ -1,0 +1,176 @@
+"""The engines' weights: a Hugging Face folder written bucket by bucket, at any world size.
+
+    folder/
+        config.json, generation_config.json, tokenizer files (copied from the base model)
+        model.safetensors                          the whole model, when it fits in one bucket
+        model-00001-of-00003.safetensors ...       else one file per bucket, and
+        model.safetensors.index.json               {"metadata": {"total_size"}, "weight_map"}
+
+Nobody holds the whole fp32 model. The tensors are split into buckets of at most
+`bucket_bytes` of bf16 (a tensor larger than that is a bucket of its own), planned from the
+tensors' global shapes, so every rank knows the files before any is written. For each
+tensor of a bucket, every rank takes part in gathering it (`DTensor.full_tensor()`, one
+all-gather), and the gathered fp32 tensor is cast to bf16 at once; rank 0 keeps the bf16
+copy until the bucket is complete, writes it as one safetensors file and drops it. Rank 0
+therefore holds at most one bucket plus the one fp32 tensor being gathered. World size 1
+takes the same path with plain tensors.
+
+The folder appears atomically: written under a temporary name, renamed into place. vLLM
+(`reload_weights`) and transformers read sharded folders with an index as they read one file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from kubestar.training.distributed import World, barrier
+
+# A bucket of bf16 tensors rank 0 holds at once while writing the engines' folder.
+DEFAULT_BUCKET_BYTES = 1 << 30
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+EXPORT_DTYPE = torch.bfloat16
+
+
+@dataclass
+class WeightsWritten:
+    """What one write did: the files, and the bf16 bytes rank 0 held for each bucket."""
+
+    folder: Path
+    files: list[str] = field(default_factory=list)
+    bucket_bytes: list[int] = field(default_factory=list)
+    largest_tensor_bytes: int = 0  # in bf16
+    total_bytes: int = 0
+    seconds: float = 0.0
+
+
+def exported_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The state dict's tensors in order, each once: a tied weight (lm_head sharing the
+    embedding) is kept under its first name, as Hugging Face saves it. Sharded, the values
+    are the parameters themselves (DTensors of global shape)."""
+    seen: set[int] = set()
+    tensors = []
+    for name, value in model.state_dict(keep_vars=True).items():
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        tensors.append((name, value))
+    return tensors
+
+
+def _export_bytes(tensor: torch.Tensor) -> int:
+    itemsize = EXPORT_DTYPE.itemsize if tensor.is_floating_point() else tensor.element_size()
+    return tensor.numel() * itemsize  # numel of a DTensor is its global size
+
+
+def plan_buckets(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive tensors (by index) grouped so that no bucket holds more than
+    `bucket_bytes`, except a single tensor that is larger on its own."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    buckets: list[list[int]] = []
+    held = 0
+    for index, size in enumerate(sizes):
+        if not buckets or held + size > bucket_bytes:
+            buckets.append([])
+            held = 0
+        buckets[-1].append(index)
+        held += size
+    return buckets
+
+
+def _exported(full: torch.Tensor) -> torch.Tensor:
+    """A gathered tensor as the folder stores it: bf16 (floating point), on the CPU."""
+    full = full.detach()
+    if full.is_floating_point():
+        full = full.to(EXPORT_DTYPE)
+    return full.to("cpu").contiguous()
+
+
+def _shard_names(count: int) -> list[str]:
+    if count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
+
+
+def write_config(model: Any, source: Path, folder: Path) -> None:
+    """config.json (its dtype bf16) and the base model's tokenizer and generation files."""
+    model.config.save_pretrained(folder)
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:
+        config[key] = "bfloat16"
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and not (source / "generation_config.json").exists():
+        generation.save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        if (source / name).exists():
+            shutil.copy(source / name, folder / name)
+
+
+def write_weights(
+    model: torch.nn.Module,
+    source: Path,
+    folder: Path,
+    world: World,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> WeightsWritten:
+    """Write `model` (sharded or not) as a Hugging Face folder of bf16 safetensors; every
+    rank calls it, rank 0 writes. Returns what was written (on rank 0; the other ranks get
+    the plan's sizes and no files)."""
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
+
+    started = time.monotonic()
+    tensors = exported_tensors(model)
+    sizes = [_export_bytes(tensor) for _, tensor in tensors]
+    plan = plan_buckets(sizes, bucket_bytes)
+    names = _shard_names(len(plan))
+    written = WeightsWritten(
+        folder=folder, largest_tensor_bytes=max(sizes, default=0), total_bytes=sum(sizes)
+    )
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    if world.main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    weight_map: dict[str, str] = {}
+    for file, bucket in zip(names, plan, strict=True):
+        held: dict[str, torch.Tensor] = {}
+        for index in bucket:
+            key, tensor = tensors[index]
+            # Collective when sharded: every rank gathers the same tensors in the same order.
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if world.main:
+                held[key] = _exported(full)  # fp32 -> bf16 at once
+            del full
+        if world.main:
+            save_file(held, str(tmp / file), metadata={"format": "pt"})
+            written.files.append(file)
+            written.bucket_bytes.append(sum(t.numel() * t.element_size() for t in held.values()))
+            weight_map.update(dict.fromkeys(held, file))
+        del held
+    if world.main:
+        if len(names) > 1:
+            index_file = {"metadata": {"total_size": written.total_bytes}, "weight_map": weight_map}
+            (tmp / INDEX_FILE).write_text(json.dumps(index_file, indent=2, sort_keys=True) + "\n")
+        write_config(model, source, tmp)
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)  # engines never see a half-written folder
+    barrier(world)  # no rank goes on before the folder is in place
+    written.seconds = time.monotonic() - started
+    return written
