@@ -31,3 +31,40 @@ app.kubernetes.io/component: operator
 {{- define "kubestar.image" -}}
 {{- printf "%s:%s" .Values.images.kubestar.repository (default .Chart.AppVersion .Values.images.kubestar.tag) -}}
 {{- end -}}
+
+{{/*
+What the operator may do with the resources it reconciles and their children: one list of
+rules, a ClusterRole when it watches every namespace, else a Role in each namespace of
+operator.watchNamespaces (and nothing beyond them).
+*/}}
+{{- define "kubestar.operatorRules" }}
+- apiGroups: ["kubestar.dev"]
+  resources: ["sandboxpools", "rolloutfleets", "trainingruns"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["kubestar.dev"]
+  resources: ["sandboxpools/status", "rolloutfleets/status", "trainingruns/status"]
+  verbs: ["get", "patch"]
+# Owner references with blockOwnerDeletion need this where the admission plugin
+# OwnerReferencesPermissionEnforcement is on.
+- apiGroups: ["kubestar.dev"]
+  resources: ["sandboxpools/finalizers", "rolloutfleets/finalizers", "trainingruns/finalizers"]
+  verbs: ["update"]
+- apiGroups: ["apps"]
+  resources: ["deployments", "statefulsets"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: [""]
+  resources: ["services", "configmaps", "serviceaccounts"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+{{- end }}
