@@ -39,7 +39,7 @@ from kubestar.api.v1alpha1 import (
 )
 from kubestar.training import checkpoint
 from kubestar.training.checkpoint import RunState
-from kubestar.training.datasets import Problem, jsonl_problems, reasoning_gym_problems
+from kubestar.training.datasets import Problem, file_problems, reasoning_gym_problems
 from kubestar.training.distributed import SINGLE, ShardingConfig, World, broadcast
 from kubestar.training.endpoints import Endpoints
 from kubestar.training.generators import Sampling
@@ -57,10 +57,7 @@ def load_dataset(spec: DatasetSpec) -> list[Problem]:
     if spec.generator:
         return reasoning_gym_problems(spec.generator, spec.size, spec.seed)
     assert spec.path is not None
-    from kubestar.training.datasets import load_problems
-
-    problems = jsonl_problems(spec.path) if spec.format == "jsonl" else load_problems(spec.path)
-    return problems[: spec.size]
+    return file_problems(spec.path, spec.format, limit=spec.size)
 
 
 def step_problems(problems: list[Problem], stage: StageSpec, step: int, seed: int) -> list[Problem]:
