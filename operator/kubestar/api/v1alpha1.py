@@ -394,9 +394,15 @@ class DatasetSpec(Spec):
     )
     format: Literal["jsonl", "dapo", "aime"] = Field(
         "jsonl",
-        description="The file's layout: jsonl (one JSON object per line, with a question and "
-        "an answer field), dapo (DAPO-Math-17k) or aime (AIME problem sets). Ignored for a "
-        "generator.",
+        description="The file's layout. jsonl: JSON lines with a question (question, "
+        "problem, prompt or query) and an answer (answer, final_answer, ground_truth, "
+        "solution, target or reward_model.ground_truth), an optional id. dapo: DAPO-Math-17k "
+        "as published (parquet, JSON lines or a JSON array): the problem is prompt's user "
+        "message without DAPO's instruction, the answer reward_model.ground_truth, the id "
+        "extra_info.index; a repeated problem is read once. aime: AIME sets as published "
+        "(parquet, JSON lines, a JSON array or CSV; keys in any case): problem or question, "
+        "answer, and id or problem_idx. A file that does not match is refused, naming the "
+        "record and the missing field. Ignored for a generator.",
     )
     size: int = Field(
         1000,
