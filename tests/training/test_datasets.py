@@ -301,7 +301,7 @@ def test_malformed_files_are_refused_in_one_line(tmp_path: Path) -> None:
     no_index = [dapo_record(0), dapo_record(1), {**dapo_record(2), "extra_info": {}}]
     no_prompt = [{k: v for k, v in dapo_record(0).items() if k != "prompt"}]
     no_user = [{**dapo_record(0), "prompt": [{"role": "system", "content": "hi"}]}]
-    aime_no_answer = [{"problem": q, "answer": a} for q, a in PROBLEMS]
+    aime_no_answer: list[dict[str, Any]] = [{"problem": q, "answer": a} for q, a in PROBLEMS]
     aime_no_answer[2]["answer"] = None
     cases = [
         (write_parquet(tmp_path / "a.parquet", no_answer), "dapo", 2, "reward_model.ground_truth"),

@@ -174,8 +174,8 @@ def _json_file(file: Path) -> Iterator[tuple[int, Any]]:
 def _parquet(file: Path) -> Iterator[tuple[int, Any]]:
     """Rows as dicts (structs are dicts, lists are lists), read a batch at a time."""
     try:
-        import pyarrow as pa  # type: ignore[import-untyped,unused-ignore]
-        import pyarrow.parquet as pq  # type: ignore[import-untyped,unused-ignore]
+        import pyarrow as pa
+        import pyarrow.parquet as pq
     except ImportError as exc:
         raise DatasetFormatError(
             f"{file}: reading parquet needs pyarrow ({TRAINING_EXTRA})"
