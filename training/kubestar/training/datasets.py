@@ -254,7 +254,11 @@ def dapo_question(content: str) -> str:
     return content.removeprefix(DAPO_INSTRUCTION).removesuffix(DAPO_REMINDER).strip()
 
 
-def _dapo_problem(record: Mapping[str, Any], number: int, file: Path) -> Problem:
+def _dapo_problem(
+    record: Mapping[str, Any], number: int, file: Path, seen: set[str]
+) -> Problem | None:
+    """The record's problem, or None when its question is in `seen` (which it joins)."""
+
     def missing(field: str) -> DatasetFormatError:
         return _missing(file, number, field, "dapo", DAPO_FIELDS)
 
@@ -276,6 +280,9 @@ def _dapo_problem(record: Mapping[str, Any], number: int, file: Path) -> Problem
     index = _text(extra_info.get("index")) if isinstance(extra_info, dict) else None
     if index is None:
         raise missing("extra_info.index")
+    if question in seen:
+        return None
+    seen.add(question)
     return Problem(
         id=index,
         question=question,
@@ -322,11 +329,11 @@ def file_problems(
     for number, record in _records(file, format):
         if limit is not None and len(problems) >= limit:
             break
+        problem: Problem | None
         if format == "dapo":
-            problem = _dapo_problem(record, number, file)
-            if problem.question in seen:
+            problem = _dapo_problem(record, number, file, seen)
+            if problem is None:
                 continue
-            seen.add(problem.question)
         elif format == "aime":
             problem = _aime_problem(record, number, len(problems), file)
         else:
