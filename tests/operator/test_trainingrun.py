@@ -227,10 +227,11 @@ def test_several_workers_make_a_job_each_and_meet_at_worker_0(
     api.create(kubestar(namespace, "sandboxpools"), example("SandboxPool"))
     api.create(kubestar(namespace, "rolloutfleets"), example("RolloutFleet"))
     ready_dependencies(kubelet, namespace)
-    jobs = [
-        wait_for(name, lambda name=name: api.get(apis("batch/v1", namespace, "jobs", name)))
-        for name in ("multi-trainer", "multi-trainer-1")
-    ]
+
+    def job(name: str) -> dict[str, Any]:
+        return wait_for(name, lambda: api.get(apis("batch/v1", namespace, "jobs", name)))
+
+    jobs = [job("multi-trainer"), job("multi-trainer-1")]
     environments = [
         {e["name"]: e["value"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
         for job in jobs

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from kubestar.api.conditions import (
@@ -41,6 +41,7 @@ from kubestar.operator.sandboxpool import validation_message
 from pydantic import ValidationError
 
 KIND = "TrainingRun"
+ObjT = TypeVar("ObjT", bound=Mapping[str, Any])
 
 
 def diff_paths(old: Any, new: Any, prefix: str = "spec") -> list[str]:
@@ -279,7 +280,7 @@ def decide(
     return Decision(phase, conditions, start)
 
 
-def own(obj: dict[str, Any] | None, owner_uid: str) -> dict[str, Any] | None:
+def own(obj: ObjT | None, owner_uid: str) -> ObjT | None:
     """The object if `owner_uid` is among its owners, else None."""
     if obj is None:
         return None
