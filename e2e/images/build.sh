@@ -53,8 +53,9 @@ export DOCKER_HOST="${DOCKER_HOST:-unix://$CLUSTER_DIR/docker.sock}"
 DOCKER_CLI="${DOCKER_CLI:-$(command -v /usr/bin/docker || command -v docker)}"
 SUITE=bookworm
 # Runtime libraries of CPython and the wheels (ssl, ffi, sqlite, compression, readline, uuid,
-# OpenMP, NUMA for vLLM's CPU build), certificates, and ps for debugging.
-BASE_PACKAGES="libssl3,libffi8,libsqlite3-0,libbz2-1.0,liblzma5,zlib1g,libreadline8,libncursesw6,libuuid1,libexpat1,libgdbm6,libnsl2,libtirpc3,libgomp1,libnuma1,ca-certificates,procps"
+# OpenMP, NUMA for vLLM's CPU build), libseccomp for the sandbox's syscall filter,
+# certificates, and ps for debugging.
+BASE_PACKAGES="libssl3,libffi8,libsqlite3-0,libbz2-1.0,liblzma5,zlib1g,libreadline8,libncursesw6,libuuid1,libexpat1,libgdbm6,libnsl2,libtirpc3,libgomp1,libnuma1,libseccomp2,ca-certificates,procps"
 BASE_RECIPE="debootstrap-minbase-$SUITE+$BASE_PACKAGES+users-65532-1000+v1"
 IMAGE_ROOT=/opt/kubestar # in the image: cache/models, venv, src
 IMAGE_VENV="$IMAGE_ROOT/venv"

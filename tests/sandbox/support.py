@@ -11,7 +11,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Coroutine, Sequence
+import time
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,6 +25,8 @@ from kubestar.sandbox.pool import ExecutorPool
 from kubestar.sandbox.server import SERVICE_NAME, SandboxServer, ServerConfig
 from kubestar.v1 import sandbox_pb2 as pb
 
+from tests.real_parts import missing
+
 T = TypeVar("T")
 
 IS_ROOT = os.geteuid() == 0
@@ -32,6 +35,8 @@ requires_root = pytest.mark.skipif(
     reason="only as root does the sandbox get namespaces and a separate uid for calls",
 )
 REPO = Path(__file__).resolve().parents[2]
+# The uid sandbox pods run as (the chart's default).
+POD_UID = "65532"
 
 # Calls run as an unprivileged uid that may not be able to read the interpreter's standard
 # library (e.g. a pyenv Python under /root, mode 0700), so they can only use modules the
@@ -251,6 +256,47 @@ class ServerProcess:
             if process_alive(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+
+
+def unprivileged(*options: str) -> list[str]:
+    """The command prefix that runs a server with `options` (see tests.sandbox.unprivileged):
+    as a pod runs it. Where this machine cannot do that the test is skipped (failed in CI)."""
+    prefix = [sys.executable, "-m", "tests.sandbox.unprivileged", *options, "--"]
+    probe = subprocess.run(
+        [*prefix, "true"], cwd=REPO, capture_output=True, text=True, timeout=30, check=False
+    )
+    if probe.returncode != 0:
+        missing(probe.stderr.strip() or f"{prefix} failed")
+    return prefix
+
+
+# How a worker runs: as root (namespaces, a uid per executor), as pods run it (a non-root uid
+# that makes a user namespace), or as that uid without isolation (development only).
+WORKER_MODES = ("root", "non-root", "no-isolation")
+
+
+def start_worker(
+    log_dir: Path,
+    mode: str,
+    *args: str,
+    preload: Sequence[str] = TEST_PRELOAD,
+    executors: int = 2,
+) -> ServerProcess:
+    """`kubestar sandbox serve` (with `args`) started in `mode` (see WORKER_MODES), serving."""
+    if mode == "root" and not IS_ROOT:
+        pytest.skip("a root worker needs the tests to run as root")
+    prefix = () if mode == "root" else unprivileged("--uid", POD_UID)
+    options = ("--no-isolation", *args) if mode == "no-isolation" else args
+    server = ServerProcess(log_dir, *options, prefix=prefix, preload=preload, executors=executors)
+    return server.wait_ready()
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Until `condition()` holds; fails the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
 
 
 def scratch_dir() -> Path:

@@ -6,7 +6,7 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,6 +29,7 @@ from tests.sandbox.support import (
     leftover_processes,
     pool_of,
     process_alive,
+    wait_for,
     zygote_pids,
 )
 
@@ -67,13 +68,6 @@ def own_server() -> Iterator[ThreadedServer]:
     ).start()
     yield threaded
     threaded.stop()
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("zygote", ["light", "preloaded"])

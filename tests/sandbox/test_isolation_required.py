@@ -6,8 +6,6 @@ refuses new namespaces as container runtimes' default profiles do (tests.sandbox
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,29 +14,16 @@ from kubestar.sandbox.client import SandboxClient
 from kubestar.v1 import sandbox_pb2 as pb
 
 from tests.sandbox.support import (
-    REPO,
+    POD_UID,
     ServerProcess,
     descendants,
     process_alive,
     requires_root,
+    unprivileged,
 )
 
-# The uid sandbox pods run as (the chart's default).
-POD_UID = "65532"
 # Long enough for executors to start (no numpy or sympy); a worker still running then serves.
 EXIT_WITHIN_SECONDS = 30.0
-
-
-def unprivileged(*options: str) -> list[str]:
-    """The command prefix that runs a server with `options` (see tests.sandbox.unprivileged);
-    skips the test where this machine cannot do that."""
-    prefix = [sys.executable, "-m", "tests.sandbox.unprivileged", *options, "--"]
-    probe = subprocess.run(
-        [*prefix, "true"], cwd=REPO, capture_output=True, text=True, timeout=30, check=False
-    )
-    if probe.returncode != 0:
-        pytest.skip(probe.stderr.strip() or f"{prefix} failed")
-    return prefix
 
 
 def wait_for_exit(server: ServerProcess) -> tuple[int, set[int]]:
@@ -70,6 +55,31 @@ def wait_for_exit(server: ServerProcess) -> tuple[int, set[int]]:
 def test_a_worker_that_cannot_isolate_refuses_to_serve(
     log_dir: Path, tmp_path: Path, options: list[str], missing: str
 ) -> None:
+    reason = refusal(log_dir, tmp_path, options)
+    # Which isolation is missing, which system call failed, and why.
+    assert missing in reason, reason
+    assert "unshare(CLONE_NEW" in reason and "EPERM (Operation not permitted" in reason, reason
+    assert "seccomp" in reason and "--no-isolation" in reason, reason
+
+
+@pytest.mark.parametrize(
+    "options",
+    [["--uid", POD_UID, "--deny-seccomp"], pytest.param(["--deny-seccomp"], marks=requires_root)],
+    ids=["non-root", "root"],
+)
+def test_a_worker_that_cannot_load_the_syscall_filter_refuses_to_serve(
+    log_dir: Path, tmp_path: Path, options: list[str]
+) -> None:
+    """Under a filter that refuses seccomp(), a worker gets its namespaces but cannot load
+    the calls' syscall filter: it does not serve without it."""
+    reason = refusal(log_dir, tmp_path, options)
+    assert "syscall filter for calls: prctl(PR_SET_SECCOMP) failed: EPERM" in reason, reason
+    assert "refuses seccomp()" in reason and "--no-isolation" in reason, reason
+
+
+def refusal(log_dir: Path, tmp_path: Path, options: list[str]) -> str:
+    """Starts a worker under `options` (tests.sandbox.unprivileged) and checks that it
+    refuses to serve as it should; returns the one line that says why."""
     termination_log = tmp_path / "termination-log"
     server = ServerProcess(
         log_dir, "--termination-log", str(termination_log), prefix=unprivileged(*options)
@@ -80,15 +90,12 @@ def test_a_worker_that_cannot_isolate_refuses_to_serve(
     assert "sandbox serving" not in log and "Traceback" not in log, log
     (error,) = [line for line in log.splitlines() if line.startswith("kubestar: error: ")]
     reason = error.removeprefix("kubestar: error: ")
-    # Which isolation is missing, which system call failed, and why.
     assert reason.startswith("sandbox isolation unavailable"), reason
-    assert missing in reason, reason
-    assert "unshare(CLONE_NEW" in reason and "EPERM (Operation not permitted" in reason, reason
-    assert "seccomp" in reason and "--no-isolation" in reason, reason
     # What the kubelet passes on to the pod's status, and the operator to the condition.
     assert termination_log.read_text() == f"IsolationUnavailable: {reason}\n"
     # The executors that did start were stopped with the worker.
     assert [pid for pid in started if process_alive(pid)] == []
+    return reason
 
 
 def test_without_isolation_when_told(log_dir: Path) -> None:

@@ -66,6 +66,12 @@ def sandbox() -> None:
     help="Run calls without namespaces, for development only. Without it a worker that "
     "cannot isolate its calls refuses to serve.",
 )
+@click.option(
+    "--no-syscall-filter",
+    is_flag=True,
+    help="Isolate calls without the syscall filter (seccomp), to measure what it costs or to "
+    "debug a call with tools it refuses (ptrace); not for serving.",
+)
 @click.option("--hide", multiple=True, help="Extra path hidden from calls (repeatable).")
 @click.option(
     "--uid-base",
@@ -97,6 +103,7 @@ def serve_command(
     metrics_port: int,
     metrics_address: str,
     no_isolation: bool,
+    no_syscall_filter: bool,
     hide: tuple[str, ...],
     uid_base: int,
     drain_seconds: float,
@@ -112,6 +119,7 @@ def serve_command(
         warmup=DEFAULT_WARMUP if {"numpy", "sympy"} <= set(modules) else "",
         light=light,
         isolation=not no_isolation,
+        syscall_filter=not no_syscall_filter,
         uid_base=uid_base,
         hidden_paths=hide,
     )

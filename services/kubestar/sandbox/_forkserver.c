@@ -386,12 +386,14 @@ static int has_children(void) {
     return !(waitpid(-1, NULL, WNOHANG) < 0 && errno == ECHILD);
 }
 
-/* Without a PID namespace: every direct child (orphans re-parent here: subreaper). */
-static void kill_children_of(pid_t parent) {
+/* Without a PID namespace: SIGKILL every direct child and its process group (orphans
+ * re-parent here: subreaper). Returns how many children it found, -1 if /proc is unreadable. */
+static int kill_children_of(pid_t parent) {
     DIR *proc = opendir("/proc");
     if (proc == NULL) {
-        return;
+        return -1;
     }
+    int found = 0;
     struct dirent *entry;
     char path[PATH_MAX], stat[512];
     while ((entry = readdir(proc)) != NULL) {
@@ -416,22 +418,46 @@ static void kill_children_of(pid_t parent) {
             pid_t pid = (pid_t)atoi(entry->d_name);
             kill_quietly(-pid);
             kill_quietly(pid);
+            found++;
         }
     }
     closedir(proc);
+    return found;
 }
 
-/* Kill and reap every process a call left behind (background jobs, daemons). */
+/* Kill and reap every process a call left behind (background jobs, daemons), however deep:
+ * nothing a call started outlives it. */
 static void kill_leftovers(server_t *server) {
     if (!has_children()) {
         return;
     }
     if (server->kill_all) {
-        kill(-1, SIGKILL);
-    } else {
-        kill_children_of(getpid());
+        kill(-1, SIGKILL); /* PID 1: every other process of the namespace, in one step */
+        while (waitpid(-1, NULL, 0) >= 0 || errno == EINTR) {
+        }
+        return;
     }
-    while (waitpid(-1, NULL, 0) >= 0 || errno == EINTR) {
+    /* Level by level: a grandchild in a session of its own whose parent still lived is a
+     * child of this subreaper once that parent is killed, and killed on the next pass; so is
+     * a process forked while a pass ran. Each pass that finds children waits for one of them
+     * (SIGKILLed: it dies), and the call's processes are finite (RLIMIT_NPROC). */
+    for (;;) {
+        int found = kill_children_of(getpid());
+        while (waitpid(-1, NULL, WNOHANG) > 0) {
+        }
+        if (found < 0) { /* no /proc: wait for what the call's group kill reached */
+            while (waitpid(-1, NULL, 0) >= 0 || errno == EINTR) {
+            }
+            return;
+        }
+        if (found == 0) {
+            if (waitpid(-1, NULL, WNOHANG) < 0 && errno == ECHILD) {
+                return;
+            }
+            continue; /* a child that appeared after the pass: the next one finds it */
+        }
+        while (waitpid(-1, NULL, 0) < 0 && errno == EINTR) {
+        }
     }
 }
 

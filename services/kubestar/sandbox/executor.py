@@ -98,6 +98,9 @@ class ExecutorConfig:
     # a preloaded module go to the preloading zygote. See `Executor.process_for`.
     light: bool = True
     isolation: bool = True
+    # With isolation, calls run under the syscall filter (seccomp.py); off only to measure
+    # what it costs, or to debug a call with tools it refuses (ptrace).
+    syscall_filter: bool = True
     # First unprivileged uid; of a pool of N, executor i runs its calls as uid_base + i (only
     # as root), its light zygote as uid_base + N + i: 2N uids, none shared.
     uid_base: int = 61000
@@ -272,6 +275,8 @@ class ZygoteProcess:
             args += ["--hide", path]
         if not self.config.isolation:
             args.append("--no-isolation")
+        if not self.config.syscall_filter:
+            args.append("--no-syscall-filter")
         env = dict(EXECUTOR_ENV)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         self.process = await asyncio.create_subprocess_exec(

@@ -9,14 +9,20 @@ and one end of a socketpair. Isolation is paid once per executor, not per call:
   loopback, and private empty tmpfs on /tmp, /var/tmp, /dev/shm and over secret paths.
   Each call runs as this executor's own unprivileged uid, so it cannot signal the zygote,
   read the service's environment or files, or touch another executor's calls.
-- not root: a user + network namespace (no network); calls run as the service's uid.
+- not root: a user namespace, and inside it the same network, mount, PID, IPC and UTS
+  namespaces and private mounts; calls run as the service's uid, which the PID namespace
+  keeps from signalling anything outside it.
+
+Then, unless told otherwise, the calls' syscall filter (seccomp.py) is loaded, with
+no_new_privs: the zygote and every call forked from it run under it.
 
 Fail closed: when what the configuration asks for cannot be had (a namespace refused, a mount
-that fails, no separate uid as root), this stage sends the worker one line naming what is
-missing, which system call failed and why, and exits; the worker then refuses to serve.
+that fails, no separate uid as root, a filter that cannot be loaded), this stage sends the
+worker one line naming what is missing, which system call failed and why, and exits; the
+worker then refuses to serve.
 `--no-isolation` (development only) asks for nothing.
 
-Then it execs zygote.py, a fresh interpreter that keeps the namespaces, mounts, CPU affinity
+Then it execs zygote.py, a fresh interpreter that keeps the namespaces, mounts, filter, CPU affinity
 and subreaper flag but none of this stage's modules (argparse, ctypes, ...): every call forks
 the zygote, and each page of its heap costs the fork, the call's exit and the zygote's own
 writes after the fork, so the zygote imports only what it serves with (see zygote.py).
@@ -35,8 +41,9 @@ import signal
 import sys
 import termios
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from kubestar.sandbox import seccomp
 from kubestar.sandbox.zygote import encode_message
 
 CLONE_NEWNS = 0x00020000
@@ -145,6 +152,7 @@ class Isolation:
         self.pid_namespace = False
         self.mount_namespace = False
         self.separate_uid = False
+        self.syscall_filter = False
         self.notes: list[str] = []
 
     def as_dict(self) -> dict[str, Any]:
@@ -153,6 +161,7 @@ class Isolation:
             "pid_namespace": self.pid_namespace,
             "mount_namespace": self.mount_namespace,
             "separate_uid": self.separate_uid,
+            "syscall_filter": self.syscall_filter,
             "notes": self.notes,
         }
 
@@ -162,8 +171,8 @@ def isolate(uid: int, hidden_paths: list[str]) -> Isolation:
     as PID 1 of a new namespace.
 
     As root every call must be kept off the network, out of the host's mounts and processes,
-    and run as a uid of its own; not as root, off the network (a user namespace is what lets
-    an unprivileged process make a network namespace).
+    and run as a uid of its own; not as root the same but the uid (a user namespace is what
+    lets an unprivileged process make the others).
     """
     isolation = Isolation()
     if os.geteuid() == 0:
@@ -206,8 +215,18 @@ def isolate(uid: int, hidden_paths: list[str]) -> Isolation:
                 f"user namespace: writing {path} failed: {error.strerror}"
             ) from None
     isolation.network = True
-    # Orphans of a call re-parent to the zygote so it can reap and kill them.
-    _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    # Inside the user namespace this process holds the capabilities the others need.
+    if _libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS) != 0:
+        raise IsolationFailed(
+            "mount, PID, IPC and UTS namespaces (without them calls see and signal the "
+            "service, and reach each other's files): "
+            + _failure(
+                "unshare(CLONE_NEWNS|CLONE_NEWPID|CLONE_NEWIPC|CLONE_NEWUTS)", ctypes.get_errno()
+            )
+        )
+    _become_namespace_init()
+    isolation.pid_namespace = True
+    _setup_mounts(isolation, hidden_paths)
     return isolation
 
 
@@ -259,12 +278,23 @@ def _cover(path: str, options: str, read_only: bool) -> None:
         for runtime, handle in zip(inside, handles, strict=True):
             os.makedirs(runtime, mode=0o755, exist_ok=True)
             _mount(f"/proc/self/fd/{handle}", runtime, None, MS_BIND | MS_REC, None)
-            _mount("none", runtime, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_REC, None)
+            flags = MS_BIND | MS_REMOUNT | MS_RDONLY | MS_REC | _locked_flags(runtime)
+            _mount("none", runtime, None, flags, None)
         if read_only:
             _mount("none", path, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
     finally:
         for handle in handles:
             os.close(handle)
+
+
+def _locked_flags(path: str) -> int:
+    """The flags of the mount at `path` that a remount must keep: in a user namespace the
+    kernel refuses to clear nosuid, nodev, noexec or the atime setting of a mount it was
+    handed (EPERM)."""
+    kept = os.ST_NOSUID | os.ST_NODEV | os.ST_NOEXEC | os.ST_NOATIME | os.ST_NODIRATIME
+    kept |= os.ST_RELATIME
+    # The ST_ flags of statvfs have the values of the MS_ flags of mount for these.
+    return os.statvfs(path).f_flag & kept
 
 
 def _runtime_entries(directory: str) -> list[str]:
@@ -298,6 +328,12 @@ def _setup_mounts(isolation: Isolation, hidden_paths: list[str]) -> None:
         raise IsolationFailed(f"mount namespace: {where}{error.strerror}") from None
 
 
+def _refuse(fd: int, error: str) -> NoReturn:
+    """The worker reads this instead of the zygote's ready message and refuses to serve."""
+    os.write(fd, encode_message({"ready": False, "error": error}))
+    sys.exit(ISOLATION_FAILED_EXIT)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--fd", type=int, required=True, help="control socket file descriptor")
@@ -306,6 +342,9 @@ def main() -> None:
     parser.add_argument("--warmup", default="", help="code run once after the imports")
     parser.add_argument("--hide", action="append", default=[], help="extra path to hide")
     parser.add_argument("--no-isolation", action="store_true")
+    parser.add_argument(
+        "--no-syscall-filter", action="store_true", help="namespaces without the filter"
+    )
     parser.add_argument("--max-processes", type=int, default=32)
     parser.add_argument("--max-file-bytes", type=int, default=64 * 1024 * 1024)
     parser.add_argument("--max-open-files", type=int, default=256)
@@ -326,9 +365,14 @@ def main() -> None:
         try:
             isolation = isolate(args.uid, args.hide)
         except IsolationFailed as error:
-            # The worker reads this instead of the zygote's ready message and refuses to serve.
-            os.write(args.fd, encode_message({"ready": False, "error": str(error)}))
-            sys.exit(ISOLATION_FAILED_EXIT)
+            _refuse(args.fd, str(error))
+        if not args.no_syscall_filter:
+            # Last: everything isolate() did may use what the filter refuses.
+            try:
+                seccomp.load_call_filter()
+            except seccomp.FilterUnavailable as error:
+                _refuse(args.fd, f"syscall filter for calls: {error}")
+            isolation.syscall_filter = True
     settings: dict[str, Any] = {
         "uid": args.uid,
         "preload": [m for m in args.preload.split(",") if m],

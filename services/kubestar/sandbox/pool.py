@@ -109,7 +109,12 @@ class ExecutorPool(Backend):
         if not self.config.isolation:
             log.warning(
                 "sandbox isolation is off (--no-isolation): calls share this worker's network, "
-                "files, processes and uid; for development only"
+                "files, processes and uid, with no syscall filter; for development only"
+            )
+        elif not self.config.syscall_filter:
+            log.warning(
+                "the syscall filter is off (--no-syscall-filter): calls may use ptrace, "
+                "unshare, bpf, io_uring and the rest it refuses; for measuring and debugging only"
             )
         for note in isolation.get("notes", []):
             log.warning("sandbox isolation: %s", note)

@@ -1,0 +1,174 @@
+"""Every call runs under the syscall filter (kubestar.sandbox.seccomp) with no_new_privs: what it
+refuses answers EPERM (clone3 ENOSYS), the call goes on, and the worker serves the next call.
+
+Workers run as root and as pods run them (a non-root uid in a user namespace,
+tests.sandbox.unprivileged). A worker started with --no-syscall-filter shows what the same
+calls get from the kernel alone.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kubestar.sandbox import seccomp
+from kubestar.sandbox.client import Call, SandboxClient
+from kubestar.v1 import sandbox_pb2 as pb
+
+from tests.real_parts import missing
+from tests.sandbox.support import (
+    TEST_PRELOAD,
+    ServerProcess,
+    assert_still_serving,
+    start_worker,
+)
+
+PTRACE_ATTACH = 16
+NO_SUCH_PID = 2**31 - 1
+SIGCHLD = 17
+# The system calls the filter must refuse, with arguments the kernel alone would answer
+# otherwise (ESRCH, EFAULT, EINVAL, EBADF, ...; kexec and modules: ENOSYS where the kernel
+# has neither, EPERM where it does), so that the EPERM seen comes from the filter. Harmless
+# if they ran.
+PROBES: dict[str, tuple[int, ...]] = {
+    "ptrace": (PTRACE_ATTACH, NO_SUCH_PID, 0, 0),
+    "mount": (1, 0, 0, 0, 0),  # a bad address
+    "umount2": (0, 0x80000000),  # an unknown flag
+    "setns": (-1, 0),
+    "bpf": (9999, 0, 0),  # no such command
+    "perf_event_open": (0, 0, -1, -1, 0xFFFFFFFF),
+    "keyctl": (0x7FFFFFFF,),
+    "add_key": (0, 0, 0, 0, 0),
+    "request_key": (0, 0, 0, 0),
+    "io_uring_setup": (1, 0),
+    "io_uring_enter": (-1, 0, 0, 0, 0, 0),
+    "io_uring_register": (-1, 0, 0, 0),
+    "userfaultfd": (0x7FFFFFFF,),
+    "kexec_load": (0, 0, 0, 0),
+    "kexec_file_load": (-1, -1, 0, 0, 0x7FFFFFFF),
+    "init_module": (0, 0, 0),
+    "finit_module": (-1, 0, 0x7FFFFFFF),
+    "delete_module": (0, 0),
+    "process_vm_readv": (0, 0, 0, 0, 0, 1),  # an unknown flag
+    "process_vm_writev": (0, 0, 0, 0, 0, 1),
+    "clone3": (0, 0),  # too small: EINVAL
+    # Last: it succeeds without the filter, and the process is then in a user namespace
+    # where its uid has no mapping (clone with CLONE_NEWUSER fails there).
+    "unshare": (seccomp.CLONE_NEWUSER,),
+}
+NAMESPACE_FLAGS = {
+    "CLONE_NEWNS": seccomp.CLONE_NEWNS,
+    "CLONE_NEWCGROUP": seccomp.CLONE_NEWCGROUP,
+    "CLONE_NEWUTS": seccomp.CLONE_NEWUTS,
+    "CLONE_NEWIPC": seccomp.CLONE_NEWIPC,
+    "CLONE_NEWPID": seccomp.CLONE_NEWPID,
+    "CLONE_NEWNET": seccomp.CLONE_NEWNET,
+}
+PRELOAD = (*TEST_PRELOAD, "ctypes", "threading")
+
+
+def probe_code() -> str:
+    """A call that makes each probe and prints `name ERRNO` (or `name ok`), then shows that it
+    still runs: a thread (clone3, then clone), a process (posix_spawn: the same) and a fork."""
+    try:
+        numbers = {name: seccomp.syscall_number(name) for name in [*PROBES, "clone"]}
+    except seccomp.FilterUnavailable as error:
+        missing(str(error))
+    # clone with CLONE_NEWUSER plus each flag: without the filter the call may make them all.
+    clones = {"CLONE_NEWUSER": seccomp.CLONE_NEWUSER} | {
+        f"CLONE_NEWUSER|{name}": seccomp.CLONE_NEWUSER | flag
+        for name, flag in NAMESPACE_FLAGS.items()
+    }
+    return f"""
+import ctypes, errno, os, threading
+libc = ctypes.CDLL(None, use_errno=True)
+def answer(result):
+    return "ok" if result >= 0 else errno.errorcode[ctypes.get_errno()]
+def syscall(number, *args):
+    ctypes.set_errno(0)
+    return libc.syscall(ctypes.c_long(number), *(ctypes.c_long(a) for a in args))
+for name, flags in {clones!r}.items():
+    pid = syscall({numbers["clone"]}, flags | {SIGCHLD}, 0, 0, 0, 0)
+    if pid == 0:
+        os._exit(0)
+    if pid > 0:
+        os.waitpid(pid, 0)
+    print("clone(" + name + ")", answer(pid))
+for name, args in {PROBES!r}.items():
+    print(name, answer(syscall({numbers!r}[name], *args)))
+ran = []
+thread = threading.Thread(target=ran.append, args=("thread",))
+thread.start()
+thread.join()
+pid = os.posix_spawn("/bin/true", ["true"], {{}})
+ran.append("spawned" if os.waitpid(pid, 0)[1] == 0 else "spawn failed")
+pid = os.fork()
+if pid == 0:
+    os._exit(7)
+ran.append("forked" if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 7 else "fork failed")
+print(*ran)
+"""
+
+
+def run_probes(server: ServerProcess) -> dict[str, str]:
+    with SandboxClient(server.endpoint, timeout=60) as client:
+        result = client.execute(Call(code=probe_code(), timeout_seconds=30))
+        assert result.status == pb.EXECUTION_STATUS_OK, result
+        *answers, ran = result.stdout.splitlines()
+        # Refused, not killed: the call went on, and the worker serves the next call.
+        assert ran == "thread spawned forked", result
+        assert_still_serving(client)
+    return dict(answer.rsplit(" ", 1) for answer in answers)
+
+
+@pytest.fixture(scope="module", params=["root", "non-root"])
+def mode(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def filtered(log_dir: Path, mode: str) -> Iterator[ServerProcess]:
+    server = start_worker(log_dir, mode, preload=PRELOAD)
+    yield server
+    server.stop()
+
+
+def test_every_call_runs_under_the_filter_with_no_new_privs(filtered: ServerProcess) -> None:
+    code = "print(open('/proc/self/status').read())"
+    with SandboxClient(filtered.endpoint, timeout=60) as client:
+        results = client.execute_batch([code, f"import ctypes\n{code}"] * 2)  # both zygotes
+    for result in results:
+        assert result.status == pb.EXECUTION_STATUS_OK, result
+        status = dict(line.split(":\t", 1) for line in result.stdout.splitlines() if ":\t" in line)
+        assert status["NoNewPrivs"] == "1", result.stdout
+        assert status["Seccomp"] == "2", result.stdout  # filter mode
+        assert int(status["Seccomp_filters"]) >= 1, result.stdout
+
+
+def test_refused_system_calls_get_eperm_and_the_call_goes_on(filtered: ServerProcess) -> None:
+    answers = run_probes(filtered)
+    expected = {name: "EPERM" for name in PROBES} | {"clone3": "ENOSYS"}
+    expected |= {
+        f"clone(CLONE_NEWUSER{'|' + n if n else ''})": "EPERM" for n in ["", *NAMESPACE_FLAGS]
+    }
+    assert answers == expected
+    assert 'syscall_filter": true' in filtered.log()
+
+
+def test_without_the_filter_the_kernel_answers(log_dir: Path, mode: str) -> None:
+    """--no-syscall-filter: the same calls make namespaces and get the kernel's own errors."""
+    server = start_worker(log_dir, mode, "--no-syscall-filter", preload=PRELOAD)
+    try:
+        answers = run_probes(server)
+        log = server.log()
+    finally:
+        server.stop()
+    assert answers["unshare"] == "ok"
+    assert {answers[f"clone(CLONE_NEWUSER|{name})"] for name in NAMESPACE_FLAGS} == {"ok"}
+    assert answers["clone3"] == errno.errorcode[errno.EINVAL]
+    assert answers["setns"] == "EBADF"
+    assert answers["ptrace"] == "ESRCH"
+    assert answers["mount"] == "EFAULT"
+    assert "the syscall filter is off (--no-syscall-filter)" in log
