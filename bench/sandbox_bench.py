@@ -8,6 +8,7 @@ grpc.aio, then runs the same workloads as one `python -c CODE` subprocess per ca
     .venv/bin/python bench/sandbox_bench.py --quick         # ~1 minute
     .venv/bin/python bench/sandbox_bench.py --executors 2,3,4 --no-baseline
     .venv/bin/python bench/sandbox_bench.py --no-light-too   # light zygotes on and off
+    .venv/bin/python bench/sandbox_bench.py --no-filter-too  # the syscall filter on and off
     .venv/bin/python bench/sandbox_bench.py --json out.json
 
 The load generator and the server share the machine: the client's CPU use is reported per
@@ -24,6 +25,7 @@ import json
 import math
 import os
 import platform
+import random
 import resource
 import signal
 import subprocess
@@ -45,6 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TICKS = os.sysconf("SC_CLK_TCK")
 MiB = 1024 * 1024
+NO_FILTER = "sandbox --no-syscall-filter"
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,27 @@ class Workload:
     name: str
     code: str
     expected: str
+    # Makes each call's own code and expected output (fresh coefficients, as a model's calls
+    # have); None: every call runs `code`.
+    fresh: Callable[[], tuple[str, str]] | None = None
+
+    def next_call(self) -> tuple[str, str]:
+        return self.fresh() if self.fresh else (self.code, self.expected)
+
+
+_roots = random.Random(2)
+
+
+def quadratic_with_fresh_roots() -> tuple[str, str]:
+    """W3: sympy solves a quadratic whose integer roots a < b are new in (almost) every call,
+    never the warm-up's 2 and 3: its caches (filled by the zygote's warm-up) cannot answer."""
+    a, b = 2, 3
+    while (a, b) == (2, 3):
+        a, b = sorted(_roots.sample(range(-99, 100), 2))
+    p, q = -(a + b), a * b
+    polynomial = f"x**2 {'-' if p < 0 else '+'} {abs(p)}*x {'-' if q < 0 else '+'} {abs(q)}"
+    code = f"from sympy import symbols, solve; x = symbols('x'); print(solve({polynomial}, x))"
+    return code, f"[{a}, {b}]\n"
 
 
 WORKLOADS = [
@@ -61,11 +85,7 @@ WORKLOADS = [
         "import math; print(sum(math.sqrt(i) for i in range(20000)))",
         f"{sum(math.sqrt(i) for i in range(20000))}\n",
     ),
-    Workload(
-        "W3",
-        "from sympy import symbols, solve; x = symbols('x'); print(solve(x**2-5*x+6, x))",
-        "[2, 3]\n",
-    ),
+    Workload("W3", *quadratic_with_fresh_roots(), fresh=quadratic_with_fresh_roots),
 ]
 
 
@@ -300,18 +320,19 @@ async def drive(request: Request, concurrency: int, seconds: float, warmup: floa
 def sandbox_request(client: SandboxClient, workload: Workload, batch: int) -> Request:
     ok = pb.EXECUTION_STATUS_OK
 
-    def check(tally: Tally, result: pb.ExecutionResult) -> None:
+    def check(tally: Tally, result: pb.ExecutionResult, expected: str) -> None:
         tally.calls += 1
-        if result.status != ok or result.stdout != workload.expected:
+        if result.status != ok or result.stdout != expected:
             tally.fail(
                 f"status={pb.ExecutionStatus.Name(result.status)} stdout={result.stdout!r} "
                 f"stderr={result.stderr[-200:]!r} message={result.message!r}"
             )
 
     async def single(tally: Tally) -> None:
+        code, expected = workload.next_call()
         started = time.perf_counter()
         try:
-            result = await client.aexecute(workload.code)
+            result = await client.aexecute(code)
         except grpc.RpcError as error:
             tally.calls += 1
             tally.fail(f"rpc error: {error}")
@@ -319,12 +340,13 @@ def sandbox_request(client: SandboxClient, workload: Workload, batch: int) -> Re
         elapsed = time.perf_counter() - started
         tally.latencies.append(elapsed)
         tally.call_latencies.append(elapsed)
-        check(tally, result)
+        check(tally, result, expected)
 
     async def batched(tally: Tally) -> None:
+        calls = [workload.next_call() for _ in range(batch)]
         started = time.perf_counter()
         try:
-            results = await client.aexecute_batch([workload.code] * batch)
+            results = await client.aexecute_batch([code for code, _ in calls])
         except grpc.RpcError as error:
             tally.calls += batch
             for _ in range(batch):
@@ -333,21 +355,22 @@ def sandbox_request(client: SandboxClient, workload: Workload, batch: int) -> Re
         tally.latencies.append(time.perf_counter() - started)
         if len(results) != batch:
             tally.fail(f"batch of {batch} returned {len(results)} results")
-        for result in results:
+        for result, (_, expected) in zip(results, calls, strict=False):
             tally.call_latencies.append(result.wall_ms / 1000.0)
-            check(tally, result)
+            check(tally, result, expected)
 
     return batched if batch else single
 
 
 def baseline_request(python: str, workload: Workload, batch: int, env: dict[str, str]) -> Request:
     async def run_one(tally: Tally) -> float:
+        code, expected = workload.next_call()
         started = time.perf_counter()
         process = await asyncio.create_subprocess_exec(
             python,
             "-S",  # see run_baseline
             "-c",
-            workload.code,
+            code,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -357,7 +380,7 @@ def baseline_request(python: str, workload: Workload, batch: int, env: dict[str,
         stdout, stderr = await process.communicate()
         elapsed = time.perf_counter() - started
         tally.calls += 1
-        if process.returncode != 0 or stdout.decode() != workload.expected:
+        if process.returncode != 0 or stdout.decode() != expected:
             tally.fail(f"exit={process.returncode} stdout={stdout!r} stderr={stderr[-200:]!r}")
         return elapsed
 
@@ -589,7 +612,7 @@ def print_header(env: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 COLUMNS = (
-    f"{'system':<18} {'ex':>2} {'load':<4} {'mode':<10} {'calls':>6} {'fail':>4} "
+    f"{'system':<27} {'ex':>2} {'load':<4} {'mode':<10} {'calls':>6} {'fail':>4} "
     f"{'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'call p50':>8} {'call p99':>8} "
     f"{'RSS MiB':>8} {'PSS MiB':>8} {'srv%':>5} {'exe%':>5} {'cli%':>5} {'oth%':>5} {'cpu ms':>6}"
 )
@@ -598,7 +621,7 @@ COLUMNS = (
 def row(r: RunResult) -> str:
     ex = str(r.executors) if r.executors else "-"
     return (
-        f"{r.system:<18} {ex:>2} {r.workload:<4} {r.mode:<10} {r.calls:>6} {r.failures:>4} "
+        f"{r.system:<27} {ex:>2} {r.workload:<4} {r.mode:<10} {r.calls:>6} {r.failures:>4} "
         f"{fmt(r.calls_per_second):>9} {fmt(r.p50_ms, 2):>8} {fmt(r.p99_ms, 2):>8} "
         f"{fmt(r.call_p50_ms, 2):>8} {fmt(r.call_p99_ms, 2):>8} "
         f"{fmt(r.peak_rss_mib, 0):>8} {fmt(r.peak_pss_mib, 0):>8} "
@@ -634,7 +657,7 @@ def print_ratios(results: list[RunResult]) -> None:
     print()
     print("ours / baseline (python -c per call); latency ratios are baseline/ours (higher=better)")
     print(
-        f"{'system':<18} {'ex':>2} {'load':<4} {'mode':<10} {'calls/s':>9} {'base/s':>8} "
+        f"{'system':<27} {'ex':>2} {'load':<4} {'mode':<10} {'calls/s':>9} {'base/s':>8} "
         f"{'thr x':>7} {'p50 x':>7} {'p99 x':>7}"
     )
     for r in ours:
@@ -643,10 +666,49 @@ def print_ratios(results: list[RunResult]) -> None:
         p50 = b.p50_ms / r.p50_ms if r.p50_ms else float("nan")
         p99 = b.p99_ms / r.p99_ms if r.p99_ms else float("nan")
         print(
-            f"{r.system:<18} {r.executors:>2} {r.workload:<4} {r.mode:<10} "
+            f"{r.system:<27} {r.executors:>2} {r.workload:<4} {r.mode:<10} "
             f"{fmt(r.calls_per_second):>9} {fmt(b.calls_per_second):>8} "
             f"{fmt(thr):>7} {fmt(p50):>7} {fmt(p99):>7}"
         )
+
+
+def print_side_by_side(results: list[RunResult]) -> None:
+    """Each variant (--no-filter-too, --no-light-too, --compare) against `sandbox`, measured in
+    turn with it in the same run; for the filter, what it costs against the 5% target."""
+    ours = {(r.executors, r.workload, r.mode): r for r in results if r.system == "sandbox"}
+    variants = [
+        r
+        for r in results
+        if r.system not in ("sandbox", "python -c") and (r.executors, r.workload, r.mode) in ours
+    ]
+    if not variants:
+        return
+    print()
+    print("sandbox / variant, measured side by side: calls/s and CPU ms a call (x: the ratio)")
+    print(
+        f"{'variant':<27} {'ex':>2} {'load':<4} {'mode':<10} {'calls/s':>9} {'variant':>9} "
+        f"{'x':>6} {'cpu ms':>7} {'variant':>8} {'x':>6}"
+    )
+    for v in variants:
+        r = ours[(v.executors, v.workload, v.mode)]
+        throughput = r.calls_per_second / v.calls_per_second if v.calls_per_second else math.nan
+        cpu = r.cpu_ms_per_call / v.cpu_ms_per_call if v.cpu_ms_per_call else math.nan
+        print(
+            f"{v.system:<27} {v.executors:>2} {v.workload:<4} {v.mode:<10} "
+            f"{fmt(r.calls_per_second):>9} {fmt(v.calls_per_second):>9} {fmt(throughput, 3):>6} "
+            f"{fmt(r.cpu_ms_per_call, 2):>7} {fmt(v.cpu_ms_per_call, 2):>8} {fmt(cpu, 3):>6}"
+        )
+    unfiltered = [v for v in variants if v.system == NO_FILTER and v.workload in ("W1", "W3")]
+    if unfiltered:
+        print()
+        print("syscall filter's cost (target: under 5% on W1 and W3)")
+        for v in unfiltered:
+            r = ours[(v.executors, v.workload, v.mode)]
+            cpu = 100.0 * (r.cpu_ms_per_call / v.cpu_ms_per_call - 1.0)
+            throughput = 100.0 * (1.0 - r.calls_per_second / v.calls_per_second)
+            print(
+                f"  {v.workload} {v.mode:<10} CPU a call {cpu:+.1f}%, calls/s {-throughput:+.1f}%"
+            )
 
 
 def print_targets(results: list[RunResult]) -> None:
@@ -720,6 +782,12 @@ def parse_args() -> argparse.Namespace:
         "--no-light-too",
         action="store_true",
         help="also measure the service without light zygotes (--no-light), side by side",
+    )
+    parser.add_argument(
+        "--no-filter-too",
+        action="store_true",
+        help="also measure the service without its syscall filter (--no-syscall-filter), side "
+        "by side: what the filter costs",
     )
     parser.add_argument(
         "--compare",
@@ -848,6 +916,10 @@ async def main_async(args: argparse.Namespace) -> list[RunResult]:
                 services.append(
                     Service("sandbox --no-light", executors, False, log_dir, None, ("--no-light",))
                 )
+            if args.no_filter_too:
+                services.append(
+                    Service(NO_FILTER, executors, False, log_dir, None, ("--no-syscall-filter",))
+                )
         try:
             for service in services:
                 service.start()
@@ -878,6 +950,7 @@ def main() -> None:
     print()
     print(LEGEND)
     print_ratios(results)
+    print_side_by_side(results)
     print_targets(results)
     total = time.monotonic() - started
     print(f"\ntotal time {total:.0f}s")
