@@ -4,6 +4,7 @@ in each watched namespace and nothing in the others, and the operator reconciles
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -14,27 +15,45 @@ from e2e.local_cluster import (
     OperatorProcess,
     apis,
     kubestar,
+    temporary_directory,
     wait_for,
 )
 from tests.operator.support import CHART
-from tests.operator.test_reconcile import example
+from tests.operator.test_reconcile import condition, example
+from tests.real_parts import missing
 
 RELEASE = "scoped"
 SYSTEM = "scoped-system"
 
 
 @pytest.fixture(scope="module")
-def watched(cluster: LocalCluster) -> Iterator[tuple[str, str]]:
-    """A second release of the chart (its CRDs are the first's) that watches one namespace."""
-    team, other = cluster.namespace("scoped-team"), cluster.namespace("scoped-other")
-    cluster.helm(
+def scoped_cluster() -> Iterator[LocalCluster]:
+    """A control plane of its own: the session's cluster-wide operator would reconcile every
+    namespace there too."""
+    reason = LocalCluster.ensure_binaries()
+    if reason:
+        missing(f"no local Kubernetes control plane: {reason}")
+    with temporary_directory("kubestar-k8s-scoped-") as directory:
+        local = LocalCluster(directory)
+        try:
+            local.start()
+            yield local
+        finally:
+            local.stop()
+
+
+@pytest.fixture(scope="module")
+def watched(scoped_cluster: LocalCluster) -> tuple[str, str]:
+    """The chart installed to watch one namespace (of two)."""
+    team = scoped_cluster.namespace("scoped-team")
+    other = scoped_cluster.namespace("scoped-other")
+    scoped_cluster.helm(
         "install",
         RELEASE,
         str(CHART),
         "--namespace",
         SYSTEM,
         "--create-namespace",
-        "--skip-crds",
         "--set",
         "operator.replicas=0",
         "--set",
@@ -43,15 +62,13 @@ def watched(cluster: LocalCluster) -> Iterator[tuple[str, str]]:
         "--timeout",
         "60s",
     )
-    try:
-        yield team, other
-    finally:
-        cluster.helm("uninstall", RELEASE, "--namespace", SYSTEM, check=False)
+    return team, other
 
 
 def test_a_namespaced_install_reconciles_only_its_namespaces(
-    cluster: LocalCluster, watched: tuple[str, str]
+    scoped_cluster: LocalCluster, watched: tuple[str, str]
 ) -> None:
+    cluster = scoped_cluster
     team, other = watched
     token = cluster.service_account_token(SYSTEM, f"{RELEASE}-kubestar")
     as_operator = Api(cluster.server, token, cluster.ca_file)
@@ -77,7 +94,12 @@ def test_a_namespaced_install_reconciles_only_its_namespaces(
     kubeconfig = cluster.write_kubeconfig(cluster.directory / "scoped.kubeconfig", token, SYSTEM)
     operator = OperatorProcess(
         kubeconfig,
-        {"resyncSeconds": 2, "probeSchedulers": False, "namespaces": [team]},
+        {
+            "resyncSeconds": 2,
+            "probeSchedulers": False,
+            "namespaces": [team],
+            "policy": {"allowedImages": ["kubestar:"], "allowedRuntimeClasses": ["gvisor"]},
+        },
         cluster.directory / "scoped-operator.log",
         lease_namespace=SYSTEM,
         lease_name=f"{RELEASE}-kubestar-operator",
@@ -95,5 +117,31 @@ def test_a_namespaced_install_reconciles_only_its_namespaces(
         assert not untouched.get("status"), untouched.get("status")
         assert api.items(apis("apps/v1", other, "statefulsets")) == []
         assert "403" not in operator.log.read_text()
+
+        # The admin's policy: an image or runtime class it does not allow is refused, naming
+        # the field, and gets no pods; the chart's own image (an empty field) is allowed.
+        miner = example("SandboxPool", "miner")
+        miner["spec"]["image"] = "someone/miner:1"
+        gvisor = example("SandboxPool", "kata")
+        gvisor["spec"]["runtimeClassName"] = "kata"
+        fleet = example("RolloutFleet", "fleet")
+        fleet["spec"].setdefault("engine", {})["image"] = "someone/vllm:1"
+        api.create(kubestar(team, "sandboxpools"), miner)
+        api.create(kubestar(team, "sandboxpools"), gvisor)
+        api.create(kubestar(team, "rolloutfleets"), fleet)
+
+        def ready(plural: str, name: str) -> dict[str, Any] | None:
+            return condition(api.get(kubestar(team, plural, name)), "Ready")
+
+        for plural, name, field in (
+            ("sandboxpools", "miner", "spec.image 'someone/miner:1'"),
+            ("sandboxpools", "kata", "spec.runtimeClassName 'kata'"),
+            ("rolloutfleets", "fleet", "spec.engine.image 'someone/vllm:1'"),
+        ):
+            verdict = wait_for(f"{name} refused", lambda: ready(plural, name))  # noqa: B023
+            assert verdict["reason"] == "InvalidSpec", verdict
+            assert verdict["message"].startswith(f"{field} is not allowed"), verdict["message"]
+        assert api.get(apis("apps/v1", team, "statefulsets", "miner-sandbox-worker")) is None
+        assert api.get(apis("apps/v1", team, "deployments", "fleet-engine")) is None
     finally:
         operator.stop()

@@ -83,3 +83,18 @@ def test_every_default_image_names_a_version() -> None:
             jsonschema.validate(unpinned, schema)
     pinned = {**images, "engineCuda": "registry:5000/vllm@sha256:" + "0" * 64}
     jsonschema.validate({**values, "images": pinned}, schema)
+
+
+def test_policy_allows_by_image_prefix_and_runtime_class_name() -> None:
+    from kubestar.operator.settings import Policy
+
+    anything = Policy()
+    assert anything.refusal("spec.image", image="any/image:1") is None
+    policy = Policy(allowed_images=["myorg/"], allowed_runtime_classes=["gvisor"])
+    assert policy.refusal("spec.image", image="myorg/kubestar:2") is None
+    assert policy.refusal("spec.image", image="") is None  # the chart's own
+    refused = policy.refusal("spec.engine.image", image="myorgx/vllm:1")
+    assert refused is not None and refused.startswith("spec.engine.image 'myorgx/vllm:1'")
+    assert policy.refusal("spec.runtimeClassName", runtime_class="gvisor") is None
+    refused = policy.refusal("spec.runtimeClassName", runtime_class="runc")
+    assert refused is not None and "policy.allowedRuntimeClasses: gvisor" in refused

@@ -136,6 +136,9 @@ def shares_checkpoints(spec: TrainingRunSpec, settings: OperatorSettings) -> boo
 
 def spec_problem(spec: TrainingRunSpec, settings: OperatorSettings) -> str | None:
     """Why this installation cannot run the spec as written, or None."""
+    refused = settings.policy.refusal("spec.trainer.image", image=spec.trainer.image)
+    if refused:
+        return refused
     if spec.trainer.workers > 1 and not (
         spec.checkpoint.pvc_claim_name or settings.trainer.shared_checkpoints.enabled
     ):

@@ -117,6 +117,11 @@ async def reconcile(ctx: Context, fleet: dict[str, Any]) -> None:
         )
         await ctx.set_conditions(fleet, [invalid], {"observedGeneration": generation})
         return
+    refused = ctx.settings.policy.refusal("spec.engine.image", image=spec.engine.image)
+    if refused:
+        invalid = condition(ConditionType.READY, False, Reason.INVALID_SPEC, refused, generation)
+        await ctx.set_conditions(fleet, [invalid], {"observedGeneration": generation})
+        return
     try:
         await ctx.apply_all(fleet, build_fleet.children(fleet, spec, ctx.settings))
     except ChildConflict as error:

@@ -94,6 +94,14 @@ async def reconcile(ctx: Context, pool: dict[str, Any]) -> None:
         )
         await ctx.set_conditions(pool, [invalid], {"observedGeneration": generation})
         return
+    policy = ctx.settings.policy
+    refused = policy.refusal("spec.image", image=spec.image) or policy.refusal(
+        "spec.runtimeClassName", runtime_class=spec.runtime_class_name or ""
+    )
+    if refused:
+        invalid = condition(ConditionType.READY, False, Reason.INVALID_SPEC, refused, generation)
+        await ctx.set_conditions(pool, [invalid], {"observedGeneration": generation})
+        return
     desired = build_sandbox.children(pool, spec, ctx.settings)
     try:
         await ctx.apply_all(pool, desired)

@@ -105,6 +105,33 @@ class TrainerDefaults(_Settings):
     shared_checkpoints: SharedCheckpoints = Field(default_factory=SharedCheckpoints)
 
 
+class Policy(_Settings):
+    """What the admin allows the resources to ask for (empty: anything). The chart's own
+    images and its default runtime class are always allowed."""
+
+    # Image name prefixes, e.g. "myorg/" or "myorg/kubestar:".
+    allowed_images: list[str] = Field(default_factory=list)
+    allowed_runtime_classes: list[str] = Field(default_factory=list)
+
+    def refusal(self, field: str, image: str = "", runtime_class: str = "") -> str | None:
+        """Why a spec's image or runtime class is not allowed here (naming the field), or
+        None."""
+        if image and self.allowed_images and not image.startswith(tuple(self.allowed_images)):
+            return (
+                f"{field} {image!r} is not allowed by this installation (the chart's "
+                f"policy.allowedImages: {', '.join(self.allowed_images)}); use an allowed image "
+                "or leave the field empty for the chart's own"
+            )
+        allowed = self.allowed_runtime_classes
+        if runtime_class and allowed and runtime_class not in allowed:
+            return (
+                f"{field} {runtime_class!r} is not allowed by this installation (the chart's "
+                f"policy.allowedRuntimeClasses: {', '.join(allowed)}); use one of them or leave "
+                "the field empty for the chart's default"
+            )
+        return None
+
+
 class OperatorSettings(_Settings):
     # A RolloutFleet that does not say spec.accelerator gets this one.
     default_accelerator: Literal["amd", "nvidia", "cpu"] = "cpu"
@@ -113,6 +140,7 @@ class OperatorSettings(_Settings):
     ports: Ports = Field(default_factory=Ports)
     sandbox: SandboxDefaults = Field(default_factory=SandboxDefaults)
     trainer: TrainerDefaults = Field(default_factory=TrainerDefaults)
+    policy: Policy = Field(default_factory=Policy)
     # Namespaces to watch; empty: all (cluster-wide).
     namespaces: list[str] = Field(default_factory=list)
     # Every resource is reconciled at least this often (children are also watched).
