@@ -63,18 +63,24 @@ def test_a_worker_that_cannot_isolate_refuses_to_serve(
 
 
 @pytest.mark.parametrize(
-    "options",
-    [["--uid", POD_UID, "--deny-seccomp"], pytest.param(["--deny-seccomp"], marks=requires_root)],
-    ids=["non-root", "root"],
+    ("options", "failed"),
+    [
+        (["--deny-seccomp"], "prctl(PR_SET_SECCOMP) failed: EPERM (Operation not permitted)"),
+        (["--without-libseccomp"], "libseccomp.so.2 cannot be loaded"),
+    ],
+    ids=["seccomp-refused", "no-libseccomp"],
+)
+@pytest.mark.parametrize(
+    "uid", [POD_UID, pytest.param(None, marks=requires_root)], ids=["non-root", "root"]
 )
 def test_a_worker_that_cannot_load_the_syscall_filter_refuses_to_serve(
-    log_dir: Path, tmp_path: Path, options: list[str]
+    log_dir: Path, tmp_path: Path, options: list[str], failed: str, uid: str | None
 ) -> None:
-    """Under a filter that refuses seccomp(), a worker gets its namespaces but cannot load
-    the calls' syscall filter: it does not serve without it."""
-    reason = refusal(log_dir, tmp_path, options)
-    assert "syscall filter for calls: prctl(PR_SET_SECCOMP) failed: EPERM" in reason, reason
-    assert "refuses seccomp()" in reason and "--no-isolation" in reason, reason
+    """Under a filter that refuses seccomp(), or with no libseccomp (an image without it), a
+    worker gets its namespaces but not the calls' syscall filter: it does not serve."""
+    reason = refusal(log_dir, tmp_path, [*(["--uid", uid] if uid else []), *options])
+    assert f"syscall filter for calls: {failed}" in reason, reason
+    assert "--no-isolation" in reason, reason
 
 
 def refusal(log_dir: Path, tmp_path: Path, options: list[str]) -> str:

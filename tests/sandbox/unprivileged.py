@@ -2,7 +2,7 @@
 like container runtimes' default profiles, refuses new namespaces.
 
     python -m tests.sandbox.unprivileged [--uid UID] [--deny-namespaces] [--deny-seccomp] \
-        -- COMMAND...
+        [--without-libseccomp] -- COMMAND...
 
 --uid: become UID in a new user namespace that maps it to the caller's own uid, so the
 command keeps reading what the caller can (an interpreter under /root) but is not root and
@@ -11,7 +11,8 @@ EPERM, clone() with a namespace flag too, and clone3() with ENOSYS (its flags ca
 filtered; C libraries then fall back to clone()), as in Docker's and containerd's default
 profiles for a container without CAP_SYS_ADMIN. --deny-seccomp: seccomp() and
 prctl(PR_SET_SECCOMP) fail with EPERM, so the command cannot load a filter of its own. The
-filter is built with libseccomp (kubestar.sandbox.seccomp).
+filter is built with libseccomp (kubestar.sandbox.seccomp). --without-libseccomp: in a mount
+namespace of its own, libseccomp's shared library is an empty file, as in an image without it.
 
 Exits 2 with one line on stderr when this machine cannot do what was asked.
 """
@@ -27,6 +28,9 @@ import sys
 from kubestar.sandbox import seccomp
 
 CLONE_NEWUSER = seccomp.CLONE_NEWUSER
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_PRIVATE = 0x40000
 
 
 class Refused(Exception):
@@ -64,11 +68,28 @@ def deny(namespaces: bool, seccomp_filters: bool) -> None:
         raise Refused(str(error)) from None
 
 
+def hide_libseccomp() -> None:
+    seccomp.library()
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libseccomp.so" in line}
+    if len(paths) != 1:
+        raise Refused(f"cannot tell where libseccomp is loaded from: {sorted(paths)}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    for result, what in (
+        (lambda: libc.unshare(seccomp.CLONE_NEWNS), "unshare(CLONE_NEWNS)"),
+        (lambda: libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount(/)"),
+        (lambda: libc.mount(b"/dev/null", paths.pop().encode(), None, MS_BIND, None), "bind"),
+    ):
+        if result() != 0:
+            raise Refused(f"cannot hide libseccomp: {what}: {os.strerror(ctypes.get_errno())}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--uid", type=int, default=None)
     parser.add_argument("--deny-namespaces", action="store_true")
     parser.add_argument("--deny-seccomp", action="store_true")
+    parser.add_argument("--without-libseccomp", action="store_true")
     parser.add_argument("command", nargs="+")
     args = parser.parse_args()
     try:
@@ -76,6 +97,8 @@ def main() -> None:
             become(args.uid)
         if args.deny_namespaces or args.deny_seccomp:
             deny(args.deny_namespaces, args.deny_seccomp)
+        if args.without_libseccomp:
+            hide_libseccomp()
     except (Refused, OSError) as error:
         print(f"unprivileged: {error}", file=sys.stderr)
         sys.exit(2)
