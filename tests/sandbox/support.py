@@ -302,16 +302,20 @@ def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
 def scratch_dir() -> Path:
     """A fresh directory calls can see and write (mode 1777), on the host's filesystem.
 
-    As root, calls get private /tmp, /var/tmp and /dev/shm, so pytest's tmp_path is invisible
-    to them; this lives elsewhere on the root filesystem instead.
+    Calls get private /tmp, /var/tmp and /dev/shm (as root, and not as root in a user
+    namespace), so pytest's tmp_path is invisible to them; this lives elsewhere instead.
     """
-    candidates = ["/var/lib", "/srv", "/opt"] if IS_ROOT else [tempfile.gettempdir()]
+    candidates = ["/var/lib", "/srv", "/opt"] if IS_ROOT else [str(Path.home()), str(REPO)]
+    private = ("/tmp", "/var/tmp", "/dev/shm")
     for base in candidates:
+        real = os.path.realpath(base)
+        if any(real == top or real.startswith(top + "/") for top in private):
+            continue
         if os.access(base, os.W_OK | os.X_OK):
             path = Path(tempfile.mkdtemp(prefix="kubestar-sandbox-test-", dir=base))
             path.chmod(0o1777)
             return path
-    pytest.skip("no writable directory outside /tmp for files calls can see")
+    pytest.skip("no writable directory outside /tmp, /var/tmp and /dev/shm for files calls see")
 
 
 def assert_still_serving(client: SandboxClient) -> None:
