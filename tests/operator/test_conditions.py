@@ -444,3 +444,15 @@ def test_workers_outcome() -> None:
     assert done.state == "succeeded"
     half = tr.workers_outcome([job("a", conditions=complete), job("b")], [pod("b", True)])
     assert half.state == "running" and half.message == "1 of 2 trainer pods running"
+
+
+def test_a_refused_pod_is_the_outcome_only_while_the_job_has_none() -> None:
+    job = {"metadata": {"uid": "a", "name": "r-trainer"}, "status": {}}
+    refused = {"r-trainer": 'pods "r-trainer-x" is forbidden: exceeded quota: q'}
+    outcome = tr.workers_outcome([job], [], refused)
+    assert outcome.reason == "FailedCreate" and "exceeded quota: q" in outcome.message
+    pod = {
+        "metadata": {"ownerReferences": [{"uid": "a"}]},
+        "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+    assert tr.workers_outcome([job], [pod], refused).state == "running"  # an old event

@@ -353,3 +353,26 @@ def test_a_service_account_of_the_trainers_name_is_not_adopted(
     account = api.get(f"{accounts}/tiny-cpu-trainer") or {}
     assert not account["metadata"].get("ownerReferences"), account["metadata"]
     assert api.get(apis("batch/v1", namespace, "jobs", "tiny-cpu-trainer")) is None
+
+
+def test_a_trainer_pod_refused_by_the_api_server_is_a_condition(
+    cluster: LocalCluster, operator: OperatorProcess, kubelet: FakeKubelet, namespace: str
+) -> None:
+    """A quota refuses the trainer's pod: the run says so (FailedCreate, with the API
+    server's reason) instead of staying Starting without a word."""
+    api = cluster.api()
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "no-accelerators"},
+        "spec": {"hard": {"requests.example.com/accelerator": "0"}},
+    }
+    api.create(core(namespace, "resourcequotas"), quota)
+    run = example("TrainingRun")
+    accelerator = {"example.com/accelerator": 1}
+    run["spec"]["trainer"]["resources"] = {"requests": accelerator, "limits": accelerator}
+    start_run(cluster, kubelet, namespace, run)
+    path = kubestar(namespace, "trainingruns", "tiny-cpu")
+    refused = wait_condition(cluster, path, "TrainerReady", "False", "FailedCreate", timeout=60)
+    assert "exceeded quota: no-accelerators" in refused["message"], refused["message"]
+    assert phase(cluster, namespace, "tiny-cpu") == "Provisioning"

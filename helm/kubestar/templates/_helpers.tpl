@@ -63,7 +63,8 @@ operator.watchNamespaces (and nothing beyond them).
   verbs: ["get", "list", "watch"]
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create", "patch"]
+  # list: a child's FailedCreate events (pods refused by a quota or an admission policy).
+  verbs: ["create", "patch", "list"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["get", "list", "watch", "create", "patch"]

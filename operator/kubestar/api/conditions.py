@@ -98,6 +98,9 @@ class Reason(StrEnum):
     # No node has a free GPU of the kind the pod asks for.
     INSUFFICIENT_GPU = "InsufficientGPU"
     UNSCHEDULABLE = "Unschedulable"
+    # A controller's pod was refused by the API server (a quota, an admission policy): the
+    # Job's FailedCreate event, whose message says by what.
+    FAILED_CREATE = "FailedCreate"
     # A container exited with a non-zero code.
     CONTAINER_ERROR = "Error"
     # A sandbox worker cannot set up the isolation spec.isolation asks for (its termination

@@ -160,6 +160,19 @@ class Context:
         )
         return await self.kube.list(k.path("v1", "Pod", meta["namespace"]), selector)
 
+    async def refusals(self, namespace: str, kind: str, names: Iterable[str]) -> dict[str, str]:
+        """name -> the message of the newest FailedCreate event of each child `kind` named
+        (its controller could not create a pod: a quota, an admission policy)."""
+        found: dict[str, tuple[str, str]] = {}
+        for name in names:
+            selector = f"involvedObject.kind={kind},involvedObject.name={name},reason=FailedCreate"
+            events = await self.kube.list(k.path("v1", "Event", namespace), field_selector=selector)
+            for event in events:
+                when = event.get("lastTimestamp") or event.get("eventTime") or ""
+                if name not in found or when > found[name][0]:
+                    found[name] = (when, str(event.get("message", "")))
+        return {name: message for name, (_, message) in found.items()}
+
     async def patch_status(self, owner: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
         """Merge-patch the fields in `status` that differ from the live status."""
         live = owner.get("status") or {}

@@ -169,10 +169,13 @@ def job_outcome(job: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]]
 
 
 def workers_outcome(
-    jobs: Sequence[Mapping[str, Any] | None], pods: Sequence[Mapping[str, Any]]
+    jobs: Sequence[Mapping[str, Any] | None],
+    pods: Sequence[Mapping[str, Any]],
+    refused: Mapping[str, str] | None = None,
 ) -> Outcome:
     """The trainer's outcome from its workers' Jobs (worker 0 first): failed when one
-    failed, succeeded when all completed, running when all run."""
+    failed, succeeded when all completed, running when all run. `refused`: Job name -> why
+    the API server refused its pod (a FailedCreate event), for Jobs that have no pod."""
     if all(job is None for job in jobs):
         return Outcome("absent")
     outcomes: list[Outcome] = []
@@ -181,7 +184,11 @@ def workers_outcome(
             outcomes.append(Outcome("starting", Reason.STARTING, "creating the trainer's Jobs"))
             continue
         uid = job["metadata"].get("uid", "")
-        outcome = job_outcome(job, [pod for pod in pods if own(pod, uid)])
+        own_pods = [pod for pod in pods if own(pod, uid)]
+        outcome = job_outcome(job, own_pods)
+        why = (refused or {}).get(job["metadata"]["name"])
+        if why and not own_pods and outcome.state == "starting":
+            outcome = Outcome("starting", Reason.FAILED_CREATE, f"the pod was refused: {why}")
         if len(jobs) > 1 and outcome.message:
             outcome.message = f"worker {worker}: {outcome.message}"
         outcomes.append(outcome)
@@ -371,7 +378,13 @@ async def reconcile(ctx: Context, run: dict[str, Any]) -> None:
     deps, deps_exist = dependencies(spec, namespace, fleet, pool, generation)
 
     pods = await ctx.pods(run) if started else []
-    outcome = workers_outcome(jobs, pods)
+    podless = [
+        job["metadata"]["name"]
+        for job in jobs
+        if job is not None and not any(own(pod, job["metadata"].get("uid", "")) for pod in pods)
+    ]
+    refused = await ctx.refusals(namespace, "Job", podless) if podless else {}
+    outcome = workers_outcome(jobs, pods, refused)
     decision = decide(phase_now, generation, spec_problem, deps, deps_exist, outcome)
 
     extra: dict[str, Any] = {}

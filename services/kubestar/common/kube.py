@@ -269,9 +269,11 @@ class Kube:
                 return None
             raise
 
-    async def list(self, url: str, label_selector: str = "") -> list[Obj]:
-        params = {"labelSelector": label_selector} if label_selector else None
-        result = await self.request("GET", url, params=params)
+    async def list(self, url: str, label_selector: str = "", field_selector: str = "") -> list[Obj]:
+        params = {"labelSelector": label_selector} if label_selector else {}
+        if field_selector:
+            params["fieldSelector"] = field_selector
+        result = await self.request("GET", url, params=params or None)
         items: list[Obj] = result.get("items") or []
         return items
 
