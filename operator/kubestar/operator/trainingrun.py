@@ -186,7 +186,7 @@ def workers_outcome(
         uid = job["metadata"].get("uid", "")
         own_pods = [pod for pod in pods if own(pod, uid)]
         outcome = job_outcome(job, own_pods)
-        why = (refused or {}).get(job["metadata"]["name"])
+        why = (refused or {}).get(job["metadata"].get("name", ""))
         if why and not own_pods and outcome.state == "starting":
             outcome = Outcome("starting", Reason.FAILED_CREATE, f"the pod was refused: {why}")
         if len(jobs) > 1 and outcome.message:
