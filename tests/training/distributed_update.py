@@ -84,9 +84,9 @@ def trajectories(seed: int = 7) -> list[Trajectory]:
     return made
 
 
-def one_update(
+def new_policy(
     model_dir: Path, world: World, activation_checkpointing: bool = False
-) -> tuple[Policy, dict[str, float]]:
+) -> tuple[Policy, GrpoTrainer]:
     policy = Policy(
         model_dir,
         OptimizerConfig(learning_rate=LEARNING_RATE),
@@ -95,7 +95,13 @@ def one_update(
         world=world,
         sharding=ShardingConfig(activation_checkpointing=activation_checkpointing),
     )
-    trainer = GrpoTrainer(policy, ALGORITHM, pad_id=0, seed=0)
+    return policy, GrpoTrainer(policy, ALGORITHM, pad_id=0, seed=0)
+
+
+def one_update(
+    model_dir: Path, world: World, activation_checkpointing: bool = False
+) -> tuple[Policy, dict[str, float]]:
+    policy, trainer = new_policy(model_dir, world, activation_checkpointing)
     # Only rank 0's trajectories count, as in training (it drives the rollouts).
     metrics = trainer.update(trajectories() if world.main else [])
     return policy, metrics
@@ -203,17 +209,6 @@ def sft_batch() -> TokenBatch:
         prompts.append([rng.randrange(VOCAB) for _ in range(rng.randint(3, 9))])
         answers.append([rng.randrange(VOCAB) for _ in range(rng.randint(4, 40))])
     return make_batch(prompts, answers, [[1] * len(a) for a in answers], pad_id=0)
-
-
-def new_policy(model_dir: Path, world: World) -> tuple[Policy, GrpoTrainer]:
-    policy = Policy(
-        model_dir,
-        OptimizerConfig(learning_rate=LEARNING_RATE),
-        device="cpu",
-        micro_batch_size=MICRO_BATCH_SIZE,
-        world=world,
-    )
-    return policy, GrpoTrainer(policy, ALGORITHM, pad_id=0, seed=0)
 
 
 def next_steps(policy: Policy, trainer: GrpoTrainer) -> dict[str, float]:
