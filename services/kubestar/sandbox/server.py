@@ -13,7 +13,7 @@ from kubestar.common.net import check_can_listen, start_metrics_server
 from kubestar.sandbox.backend import Backend
 from kubestar.sandbox.dispatcher import WorkerDispatcher
 from kubestar.sandbox.executor import ExecutorConfig
-from kubestar.sandbox.limits import message_options
+from kubestar.sandbox.limits import ServiceBounds, server_message_options
 from kubestar.sandbox.pool import ExecutorPool
 from kubestar.sandbox.service import SandboxServicer
 from kubestar.v1 import sandbox_pb2
@@ -35,6 +35,7 @@ class ServerConfig:
     metrics_port: int = 0  # 0: no metrics endpoint
     metrics_address: str = "127.0.0.1"
     drain_seconds: float = 30.0
+    bounds: ServiceBounds = field(default_factory=ServiceBounds)
 
 
 def build_backend(config: ServerConfig) -> Backend:
@@ -49,8 +50,14 @@ class SandboxServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.backend = build_backend(config)
+        bounds = config.bounds
         self.server = grpc.aio.server(
-            options=[*message_options(config.executor.policy), ("grpc.so_reuseport", 0)]
+            options=[
+                *server_message_options(config.executor.policy),
+                *bounds.server_options(),
+                ("grpc.so_reuseport", 0),
+            ],
+            maximum_concurrent_rpcs=bounds.max_concurrent_rpcs,
         )
         self.health = health.aio.HealthServicer()
         self.port = 0
@@ -62,7 +69,8 @@ class SandboxServer:
             address = f"{self.config.metrics_address}:{self.config.metrics_port}"
             check_can_listen(address, "--metrics-port")
         await self.backend.start()
-        pb_grpc.add_SandboxServiceServicer_to_server(SandboxServicer(self.backend), self.server)
+        servicer = SandboxServicer(self.backend, self.config.bounds.max_in_flight_per_stream)
+        pb_grpc.add_SandboxServiceServicer_to_server(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(self.config.listen)
         await self.server.start()

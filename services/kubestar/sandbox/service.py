@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Iterable
 
 import grpc
 from kubestar.sandbox.backend import Backend, make_result
+from kubestar.sandbox.limits import MAX_ID_BYTES, ServiceBounds
 from kubestar.v1 import sandbox_pb2 as pb
 from kubestar.v1 import sandbox_pb2_grpc as pb_grpc
 
@@ -15,13 +16,18 @@ MAX_BATCH = 1024
 
 
 class SandboxServicer(pb_grpc.SandboxServiceServicer):
-    def __init__(self, backend: Backend) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        max_in_flight_per_stream: int = ServiceBounds.max_in_flight_per_stream,
+    ) -> None:
         self.backend = backend
+        self.max_in_flight_per_stream = max_in_flight_per_stream
 
     async def Execute(
         self, request: pb.ExecuteRequest, context: grpc.aio.ServicerContext
     ) -> pb.ExecuteResponse:
-        return pb.ExecuteResponse(result=await self.backend.execute(request.execution))
+        return pb.ExecuteResponse(result=await self._execute_checked(request.execution))
 
     async def ExecuteBatch(
         self, request: pb.ExecuteBatchRequest, context: grpc.aio.ServicerContext
@@ -46,21 +52,27 @@ class SandboxServicer(pb_grpc.SandboxServiceServicer):
         results: asyncio.Queue[pb.ExecutionResult | None] = asyncio.Queue()
         pending: set[asyncio.Task[None]] = set()
         seen: set[str] = set()
+        # Calls of this stream not yet answered: the next request waits for a free slot.
+        slots = asyncio.Semaphore(self.max_in_flight_per_stream)
 
         async def run(execution: pb.Execution, duplicate: bool) -> None:
-            if duplicate:
-                await results.put(
-                    make_result(
-                        execution.id,
-                        pb.EXECUTION_STATUS_INVALID,
-                        f"id {execution.id!r} is already in use in this stream",
+            try:
+                if duplicate:
+                    await results.put(
+                        make_result(
+                            execution.id,
+                            pb.EXECUTION_STATUS_INVALID,
+                            f"id {execution.id!r} is already in use in this stream",
+                        )
                     )
-                )
-            else:
-                await results.put(await self.backend.execute(execution))
+                else:
+                    await results.put(await self._execute_checked(execution))
+            finally:
+                slots.release()
 
         async def read_requests() -> None:
             async for request in request_iterator:
+                await slots.acquire()
                 execution = request.execution
                 duplicate = execution.id in seen
                 seen.add(execution.id)
@@ -94,6 +106,16 @@ class SandboxServicer(pb_grpc.SandboxServiceServicer):
                 execution.id,
                 pb.EXECUTION_STATUS_INVALID,
                 f"id {execution.id!r} appears more than once in the batch",
+            )
+        return await self._execute_checked(execution)
+
+    async def _execute_checked(self, execution: pb.Execution) -> pb.ExecutionResult:
+        size = len(execution.id.encode())
+        if size > MAX_ID_BYTES:
+            return make_result(
+                execution.id,
+                pb.EXECUTION_STATUS_INVALID,
+                f"id is {size} bytes; the maximum is {MAX_ID_BYTES}",
             )
         return await self.backend.execute(execution)
 

@@ -1,0 +1,115 @@
+"""What one sandbox server takes on, whoever its clients are (limits.ServiceBounds): requests
+over the size bound are refused before they are parsed, RPCs beyond the bound are refused,
+one stream's calls wait for free slots, and over-long ids are refused per call. Each refusal
+leaves the server serving."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from kubestar.sandbox.client import SandboxClient
+from kubestar.sandbox.limits import MAX_ID_BYTES, MAX_REQUEST_BYTES, ServiceBounds
+from kubestar.sandbox.server import ServerConfig
+from kubestar.v1 import sandbox_pb2 as pb
+from kubestar.v1 import sandbox_pb2_grpc as pb_grpc
+
+from tests.sandbox.support import ThreadedServer, executor_config
+
+
+def serve(bounds: ServiceBounds, executors: int = 2) -> ThreadedServer:
+    config = ServerConfig(
+        listen="127.0.0.1:0", executors=executors, executor=executor_config(), bounds=bounds
+    )
+    return ThreadedServer(config).start()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ThreadedServer]:
+    threaded = serve(ServiceBounds())
+    yield threaded
+    threaded.stop()
+
+
+def test_an_over_long_id_is_refused_for_that_call_alone(server: ThreadedServer) -> None:
+    channel = grpc.insecure_channel(server.endpoint)
+    stub = pb_grpc.SandboxServiceStub(channel)
+    long_id = "x" * (MAX_ID_BYTES + 1)
+    request = pb.ExecuteBatchRequest(
+        executions=[
+            pb.Execution(id=long_id, code="print(1)"),
+            pb.Execution(id="ok", code="print(2)"),
+        ]
+    )
+    refused, ran = stub.ExecuteBatch(request, timeout=60).results
+    assert refused.status == pb.EXECUTION_STATUS_INVALID and refused.id == long_id
+    assert f"the maximum is {MAX_ID_BYTES}" in refused.message
+    assert ran.status == pb.EXECUTION_STATUS_OK and ran.stdout == "2\n"
+    channel.close()
+
+
+def test_a_request_over_the_size_bound_is_refused_before_parsing(server: ThreadedServer) -> None:
+    code = "#" * (1024 * 1024 - 16)  # each call's code at its own 1 MiB limit
+    calls = MAX_REQUEST_BYTES // len(code) + 2
+    with SandboxClient(server.endpoint, timeout=60) as client:
+        with pytest.raises(grpc.RpcError) as refused:
+            client.execute_batch([code] * calls)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert client.execute("print(3)").stdout == "3\n"  # still serving
+
+
+def test_rpcs_beyond_the_bound_are_refused_while_one_runs() -> None:
+    threaded = serve(ServiceBounds(max_concurrent_rpcs=1))
+    try:
+        with SandboxClient(threaded.endpoint, timeout=60) as client:
+            slow: list[pb.ExecutionResult] = []
+
+            def run_slow_call() -> None:
+                while not slow:  # until admitted: the poller below may hold the one slot
+                    try:
+                        slow.append(client.execute("import time; time.sleep(3)"))
+                    except grpc.RpcError as error:
+                        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+            runner = threading.Thread(target=run_slow_call)
+            runner.start()
+            refusals: list[grpc.StatusCode] = []
+            while runner.is_alive() and not refusals:
+                try:
+                    client.execute("pass")
+                except grpc.RpcError as error:
+                    refusals.append(error.code())
+            runner.join()
+            assert refusals == [grpc.StatusCode.RESOURCE_EXHAUSTED]
+            assert slow[0].status == pb.EXECUTION_STATUS_OK
+            assert client.execute("print(4)").stdout == "4\n"
+    finally:
+        threaded.stop()
+
+
+def test_a_stream_runs_at_most_its_in_flight_bound_of_calls() -> None:
+    threaded = serve(ServiceBounds(max_in_flight_per_stream=2), executors=4)
+    try:
+        with SandboxClient(threaded.endpoint, timeout=120) as client:
+            busiest = 0
+            done = threading.Event()
+
+            def watch() -> None:
+                nonlocal busiest
+                with SandboxClient(threaded.endpoint, timeout=30) as watcher:
+                    while not done.is_set():
+                        busiest = max(busiest, watcher.capacity().in_flight)
+
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            calls = ["import time; time.sleep(0.5); print(1)"] * 6
+            results = asyncio.run(client.aexecute_stream(calls))
+            done.set()
+            watcher.join()
+            assert [r.stdout for r in results] == ["1\n"] * 6
+            assert 1 <= busiest <= 2  # 4 executors free, the stream's bound held
+    finally:
+        threaded.stop()
