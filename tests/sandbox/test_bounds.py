@@ -11,8 +11,9 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from kubestar.common.bounds import ServiceBounds
 from kubestar.sandbox.client import SandboxClient
-from kubestar.sandbox.limits import MAX_ID_BYTES, MAX_REQUEST_BYTES, ServiceBounds
+from kubestar.sandbox.limits import MAX_ID_BYTES, MAX_REQUEST_BYTES
 from kubestar.sandbox.server import ServerConfig
 from kubestar.v1 import sandbox_pb2 as pb
 from kubestar.v1 import sandbox_pb2_grpc as pb_grpc

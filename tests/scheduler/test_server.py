@@ -186,3 +186,33 @@ async def test_cli_serves_reports_and_drains_on_sigterm(fakes: list[FakeEngine])
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+async def test_rpcs_beyond_the_bound_are_refused_while_one_runs(fakes: list[FakeEngine]) -> None:
+    """common.bounds.ServiceBounds holds for the scheduler too: with room for one RPC, a
+    status request while a turn generates is refused (RESOURCE_EXHAUSTED), and served after."""
+    from kubestar.common.bounds import ServiceBounds
+
+    for fake in fakes:
+        fake.paused = True  # the turn below generates until it is let go
+    config = ServerConfig(
+        listen="127.0.0.1:0",
+        engines=[(f"e{i}", f.url) for i, f in enumerate(fakes)],
+        scheduler=fast_config(),
+        bounds=ServiceBounds(max_concurrent_rpcs=1),
+    )
+    server = SchedulerServer(config)
+    await server.start()
+    try:
+        async with SchedulerClient(f"127.0.0.1:{server.port}", timeout=30) as client:
+            turn = asyncio.create_task(client.generate("t", PROMPT, 8))
+            await wait_for(lambda: any(fake.running for fake in fakes))  # the turn holds the slot
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await client.status()
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            for fake in fakes:
+                fake.paused = False
+            assert len((await turn).token_ids) == 8
+            assert (await client.status()).admitted == 1
+    finally:
+        await server.stop(grace_seconds=2.0)

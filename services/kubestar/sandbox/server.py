@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from kubestar.common.bounds import ServiceBounds
 from kubestar.common.net import check_can_listen, start_metrics_server
 from kubestar.sandbox.backend import Backend
 from kubestar.sandbox.dispatcher import WorkerDispatcher
 from kubestar.sandbox.executor import ExecutorConfig
-from kubestar.sandbox.limits import ServiceBounds, server_message_options
+from kubestar.sandbox.limits import server_message_options
 from kubestar.sandbox.pool import ExecutorPool
 from kubestar.sandbox.service import SandboxServicer
 from kubestar.v1 import sandbox_pb2

@@ -6,8 +6,9 @@ import asyncio
 from collections.abc import AsyncIterator, Iterable
 
 import grpc
+from kubestar.common.bounds import ServiceBounds
 from kubestar.sandbox.backend import Backend, make_result
-from kubestar.sandbox.limits import MAX_ID_BYTES, ServiceBounds
+from kubestar.sandbox.limits import MAX_ID_BYTES
 from kubestar.v1 import sandbox_pb2 as pb
 from kubestar.v1 import sandbox_pb2_grpc as pb_grpc
 

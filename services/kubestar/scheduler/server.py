@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from kubestar.common.bounds import ServiceBounds
 from kubestar.common.net import check_can_listen, start_metrics_server
 from kubestar.scheduler.config import SchedulerConfig
 from kubestar.scheduler.core import RequestTooLarge
@@ -51,6 +52,7 @@ class ServerConfig:
     metrics_port: int = 0  # 0: no metrics endpoint
     metrics_address: str = "127.0.0.1"
     drain_seconds: float = 30.0
+    bounds: ServiceBounds = field(default_factory=ServiceBounds)
 
 
 def _code(error: Exception) -> grpc.StatusCode:
@@ -137,8 +139,10 @@ class SchedulerServer:
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                *config.bounds.server_options(),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
+            maximum_concurrent_rpcs=config.bounds.max_concurrent_rpcs,
         )
         self.health = health.aio.HealthServicer()
         self.discovery: KubernetesDiscovery | None = None
