@@ -452,3 +452,24 @@ def test_sandbox_workers_carry_the_isolation_setting() -> None:
         serve_command.make_context("serve", command[3:])
     with pytest.raises(ValidationError, match="isolation"):
         SandboxPoolSpec.model_validate({"isolation": "off"})
+
+
+def test_trainer_pods_are_retried_only_where_checkpoints_outlive_them() -> None:
+    """A retry resumes from the newest checkpoint: the Job retries where checkpoints outlive
+    the pod (the shared volume or the run's claim), never with an emptyDir; SIGTERM gets the
+    grace to checkpoint; from Kubernetes 1.26 a drain or eviction does not count."""
+    body, spec, fleet, pool = tiny_run()
+    settings = OperatorSettings()
+    ephemeral = build_trainer.job(body, spec, fleet, pool, settings)
+    assert ephemeral["spec"]["backoffLimit"] == 0
+    pod = ephemeral["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == settings.trainer.termination_grace_seconds
+    claimed = spec.model_copy(
+        update={"checkpoint": spec.checkpoint.model_copy(update={"pvc_claim_name": "ckpt"})}
+    )
+    retried = build_trainer.job(body, claimed, fleet, pool, settings)
+    assert retried["spec"]["backoffLimit"] == settings.trainer.backoff_limit == 6
+    assert "podFailurePolicy" not in retried["spec"]  # Kubernetes 1.20 has none
+    newer = build_trainer.job(body, claimed, fleet, pool, settings, server_version=(1, 29))
+    (rule,) = newer["spec"]["podFailurePolicy"]["rules"]
+    assert rule == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}

@@ -27,6 +27,8 @@ from kubestar.operator import objects as o
 from kubestar.operator.settings import OperatorSettings
 
 TRAINER = "trainer"
+# Job.spec.podFailurePolicy: beta and on by default from Kubernetes 1.26.
+POD_FAILURE_POLICY_SINCE = (1, 26)
 LABEL_WORKER = "kubestar.dev/trainer-worker"
 
 
@@ -139,9 +141,7 @@ def spec_problem(spec: TrainingRunSpec, settings: OperatorSettings) -> str | Non
     refused = settings.policy.refusal("spec.trainer.image", image=spec.trainer.image)
     if refused:
         return refused
-    if spec.trainer.workers > 1 and not (
-        spec.checkpoint.pvc_claim_name or settings.trainer.shared_checkpoints.enabled
-    ):
+    if spec.trainer.workers > 1 and not persistent_checkpoints(spec, settings):
         return (
             f"spec.trainer.workers is {spec.trainer.workers}: every trainer pod writes its "
             "shard of each checkpoint to one volume, and this installation has none; set "
@@ -149,6 +149,11 @@ def spec_problem(spec: TrainingRunSpec, settings: OperatorSettings) -> str | Non
             "trainer.sharedCheckpoints, or use 1 worker"
         )
     return None
+
+
+def persistent_checkpoints(spec: TrainingRunSpec, settings: OperatorSettings) -> bool:
+    """Checkpoints outlive the trainer's pods (so a retry resumes rather than starts over)."""
+    return bool(spec.checkpoint.pvc_claim_name) or settings.trainer.shared_checkpoints.enabled
 
 
 def checkpoint_dir(
@@ -333,24 +338,38 @@ def job(
     pool: SandboxPoolSpec,
     settings: OperatorSettings,
     worker: int = 0,
+    server_version: tuple[int, int] = (1, 20),
 ) -> o.Obj:
     """Trainer worker `worker`: a Job with one pod of processesPerWorker processes. A failed
-    pod fails the Job after backoffLimit retries; a failed Job fails the run."""
+    pod fails the Job after backoffLimit retries; a failed Job fails the run.
+    `server_version`: the API server's (major, minor), for the fields it has."""
     name = run["metadata"]["name"]
     env = trainer_env(run, spec, fleet, pool, settings, worker)
     pod = _pod_spec(run, spec, settings, env, TRAIN_COMMAND)
     pod["restartPolicy"] = "Never"
+    # SIGTERM makes the trainer checkpoint the step in progress and exit: give it the time.
+    pod["terminationGracePeriodSeconds"] = settings.trainer.termination_grace_seconds
     worker_label = {LABEL_WORKER: str(worker)}
     labels = {**o.labels("TrainingRun", name, TRAINER), **worker_label}
+    job_spec: o.Obj = {
+        # A retry resumes from the newest checkpoint, if checkpoints outlive the pod.
+        "backoffLimit": settings.trainer.backoff_limit
+        if persistent_checkpoints(spec, settings)
+        else 0,
+        "template": {"metadata": {"labels": labels}, "spec": pod},
+    }
+    if server_version >= POD_FAILURE_POLICY_SINCE:
+        # A pod lost to a drain, an eviction or a preemption is not the trainer's failure:
+        # it does not count against backoffLimit.
+        job_spec["podFailurePolicy"] = {
+            "rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}]
+        }
     return o.with_hash(
         {
             "apiVersion": "batch/v1",
             "kind": "Job",
             "metadata": o.metadata(run, worker_name(name, worker), TRAINER, **worker_label),
-            "spec": {
-                "backoffLimit": settings.trainer.backoff_limit,
-                "template": {"metadata": {"labels": labels}, "spec": pod},
-            },
+            "spec": job_spec,
         }
     )
 
@@ -361,9 +380,11 @@ def jobs(
     fleet: RolloutFleetSpec,
     pool: SandboxPoolSpec,
     settings: OperatorSettings,
+    server_version: tuple[int, int] = (1, 20),
 ) -> list[o.Obj]:
     """One Job per trainer worker, worker 0 first."""
-    return [job(run, spec, fleet, pool, settings, w) for w in range(spec.trainer.workers)]
+    workers = range(spec.trainer.workers)
+    return [job(run, spec, fleet, pool, settings, w, server_version) for w in workers]
 
 
 def rbac(run: Mapping[str, Any]) -> list[o.Obj]:

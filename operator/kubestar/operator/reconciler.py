@@ -63,6 +63,15 @@ class Context:
     exists: set[tuple[str, str, str]] = field(default_factory=set)
     # (namespace, name) -> the TrainingRun phase last seen (an Event per transition).
     phases: dict[tuple[str, str], str] = field(default_factory=dict)
+    _server_version: tuple[int, int] | None = None
+
+    async def server_version(self) -> tuple[int, int]:
+        """The API server's (major, minor), asked once."""
+        if self._server_version is None:
+            answer = await self.kube.request("GET", "/version")
+            minor = "".join(c for c in str(answer.get("minor", "0")) if c.isdigit()) or "0"
+            self._server_version = (int(answer.get("major", "1")), int(minor))
+        return self._server_version
 
     def forget_child(self, kind: str, namespace: str, name: str) -> None:
         self.applied.pop((kind, namespace, name), None)

@@ -95,9 +95,13 @@ class SharedCheckpoints(_Settings):
 
 
 class TrainerDefaults(_Settings):
-    # Retries of the trainer pod before the Job (and so the run) fails. With a checkpoint
-    # PVC a retry resumes; with the default emptyDir it would start over.
-    backoff_limit: int = Field(0, ge=0)
+    # Retries of a failed trainer pod before its Job (and so the run) fails; each retry
+    # resumes from the newest checkpoint. Only where checkpoints outlive a pod (the shared
+    # volume or the run's own claim): with an emptyDir a retry would start over, so none.
+    backoff_limit: int = Field(6, ge=0)
+    # Seconds a trainer pod has after SIGTERM (a drain, an eviction) to finish its step and
+    # checkpoint it.
+    termination_grace_seconds: int = Field(900, ge=30)
     run_as_user: int = 1000
     checkpoint_dir: str = "/var/lib/kubestar/checkpoints"
     # Shared by trainers and engines (see SharedCheckpoints); each run then checkpoints to

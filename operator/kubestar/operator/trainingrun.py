@@ -397,7 +397,8 @@ async def reconcile(ctx: Context, run: dict[str, Any]) -> None:
     if decision.start and fleet is not None and pool is not None:
         fleet_spec = rolloutfleet.fleet_spec(fleet, settings)
         pool_spec = SandboxPoolSpec.model_validate(pool.get("spec") or {})
-        workloads = build_trainer.jobs(run, spec, fleet_spec, pool_spec, settings)
+        version = await ctx.server_version()
+        workloads = build_trainer.jobs(run, spec, fleet_spec, pool_spec, settings, version)
         if build_trainer.world_size(spec) > 1:
             workloads.insert(0, build_trainer.rendezvous_service(run, settings))
         try:

@@ -70,6 +70,7 @@ def train(
     from kubestar.training.progress import FileReporter
     from kubestar.training.report import write_report
     from kubestar.training.session import TrainingSession
+    from kubestar.training.stopping import EXIT_STOPPED, StopRequest, TrainingStopped
     from tqdm import tqdm
 
     try:
@@ -143,6 +144,7 @@ def train(
     processes = 1 if "WORLD_SIZE" in os.environ else trainer.workers * trainer.processes_per_worker
     rank_command = [sys.executable, "-m", "kubestar.cli.main", "train", "-f", manifest]
     rank_command += ["--run-dir", str(directory), "--log-level", log_level]
+    stop = StopRequest().install()
     with (
         stack.running() as endpoints,
         local_ranks(processes, rank_command, directory / "logs") as ranks,
@@ -156,8 +158,14 @@ def train(
             progress=progress,
             call_limits=pool.spec.limits,
             world=ranks if ranks.sharded else world,
+            stop=stop,
         )
-        status = session.run_all()
+        try:
+            status = session.run_all()
+        except TrainingStopped as stopped:
+            bar.close()
+            click.echo(f"{stopped}; run the same command again to resume", err=True)
+            sys.exit(EXIT_STOPPED)
     bar.close()
     report = write_report(directory)
     logging.getLogger(__name__).info("done")
@@ -172,6 +180,7 @@ def _train_rank(run: TrainingRun, directory: Path, world: World) -> None:
     from kubestar.training.endpoints import Endpoints
     from kubestar.training.progress import FileReporter
     from kubestar.training.session import TrainingSession
+    from kubestar.training.stopping import EXIT_STOPPED, TrainingStopped
 
     model_dir = resolve_model(run.spec.model.path or run.spec.model.name)
     reporter = FileReporter(directory / f"status-rank-{world.rank}.json")  # never written
@@ -180,6 +189,10 @@ def _train_rank(run: TrainingRun, directory: Path, world: World) -> None:
     )
     try:
         session.run_all()
+    except TrainingStopped:
+        # This rank's shard is in the checkpoint. Not a success: in a cluster every
+        # worker's Job must retry, so that the world meets again and resumes.
+        sys.exit(EXIT_STOPPED)
     finally:
         close_world()
 
@@ -197,6 +210,7 @@ def _train_in_cluster(run: TrainingRun, directory: Path) -> None:
     from kubestar.training.endpoints import Endpoints
     from kubestar.training.progress import StatusPatcher
     from kubestar.training.session import TrainingSession
+    from kubestar.training.stopping import EXIT_STOPPED, StopRequest, TrainingStopped
 
     env = TrainerEnvironment.from_env()
     if env.checkpoint_dir:
@@ -215,6 +229,7 @@ def _train_in_cluster(run: TrainingRun, directory: Path) -> None:
         run_status = StatusPatcher.in_cluster(env)
         address = rendezvous_host(host, lambda: run_status.current().get("rendezvousAddress"))
         master = (address, int(port))
+    stop = StopRequest().install()  # before the ranks start: a drain may come at any time
     first_rank = env.worker_index * env.processes
     command = [sys.executable, "-m", "kubestar.cli.main", "train", "-f", env.run_config]
     command += ["--in-cluster"]
@@ -234,6 +249,12 @@ def _train_in_cluster(run: TrainingRun, directory: Path) -> None:
             StatusPatcher.in_cluster(env),
             call_limits=CallLimitsSpec.model_validate(env.sandbox_limits),
             world=world,
+            stop=stop,
         )
-        status = session.run_all()
+        try:
+            status = session.run_all()
+        except TrainingStopped as stopped:
+            # The Job's next pod resumes from the checkpoint (trainer.backoffLimit).
+            click.echo(f"{stopped}; the next trainer pod resumes from it", err=True)
+            sys.exit(EXIT_STOPPED)
     click.echo(f"{status.phase}: {status.step}/{status.total_steps} steps")

@@ -40,11 +40,12 @@ from kubestar.api.v1alpha1 import (
 from kubestar.training import checkpoint
 from kubestar.training.checkpoint import RunState
 from kubestar.training.datasets import Problem, file_problems, reasoning_gym_problems
-from kubestar.training.distributed import SINGLE, ShardingConfig, World, broadcast
+from kubestar.training.distributed import SINGLE, ShardingConfig, World, all_reduce, broadcast
 from kubestar.training.endpoints import Endpoints
 from kubestar.training.generators import Sampling
 from kubestar.training.policy import OptimizerConfig, Policy
 from kubestar.training.progress import MetricsLog, Reporter, set_phase, status_metrics
+from kubestar.training.stopping import StopRequest, TrainingStopped
 from kubestar.training.trainer import AlgorithmConfig, GrpoTrainer
 from kubestar.training.trajectory import Trajectory
 
@@ -86,11 +87,15 @@ class TrainingSession:
         reward_workers: int = 2,
         call_limits: CallLimitsSpec | None = None,
         world: World = SINGLE,
+        stop: StopRequest | None = None,
     ) -> None:
         """`call_limits`: the SandboxPool's per-call limits, applied to every tool call.
-        `world`: this process's rank in a sharded trainer."""
+        `world`: this process's rank in a sharded trainer. `stop`: set when the process is
+        asked to stop (SIGTERM): the session checkpoints the step in progress and raises
+        TrainingStopped."""
         self.run = run
         self.world = world
+        self.stop = stop or StopRequest()
         self.call_limits = call_limits or CallLimitsSpec()
         self.spec = run.spec
         self.endpoints = endpoints
@@ -141,6 +146,7 @@ class TrainingSession:
                 log_to_driver=False,
                 num_cpus=None if address else max(2, os.cpu_count() or 2),
             )
+            self.stop.reclaim()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         worker: Any = (
             ray.remote(RolloutWorker)
@@ -157,6 +163,8 @@ class TrainingSession:
         )
         try:
             self._run(policy, worker)
+        except TrainingStopped:
+            raise  # not a failure: the run goes on where it stopped
         except Exception as error:
             self._set_phase(Phase.FAILED, Reason.TRAINER_ERROR, f"{type(error).__name__}: {error}")
             raise
@@ -244,11 +252,16 @@ class TrainingSession:
                         ),
                     )
                     self._record_step(stage, state, metrics)
+                # Asked to stop (any rank's SIGTERM): this step is checkpointed, then no more.
+                stopping = all_reduce(float(self.stop.requested), self.world, policy.device) > 0
                 if (
                     state.global_step % self.spec.checkpoint.every_steps == 0
                     or state.stage_step == stage.steps
+                    or stopping
                 ):
                     self._checkpoint(policy, state, trainer, weights=pushed)
+                if stopping:
+                    raise TrainingStopped(state.global_step, self.status.last_checkpoint)
         if "end" in self.spec.evaluation.at:
             self._evaluate(worker, "end")
         self._set_phase(Phase.SUCCEEDED, Reason.COMPLETED, f"{self.status.total_steps} steps done")
