@@ -350,6 +350,26 @@ class AlgorithmSpec(Spec):
         le=1,
         description="AdamW learning rate of the RL stages.",
     )
+    updates_per_step: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Optimizer steps per RL step: the step's kept trajectories are split into "
+        "this many mini-batches (verl's train_batch_size / ppo_mini_batch_size). The published "
+        "rStar2-Agent recipe takes 1 (both 128). Above 1, the later mini-batches are trained "
+        "on weights that already moved: the ratio leaves 1 and clipLow/clipHigh bite "
+        "(train_clip_fraction in the metrics).",
+    )
+    tis_cap: float | None = Field(
+        None,
+        gt=1,
+        le=100,
+        description="Off-policy correction for the engine/trainer mismatch (the engine samples "
+        "in bf16 with its own kernels): token-level truncated importance sampling, each "
+        "token's loss weighted by min(p_trainer / p_engine, tisCap) from the engine's sampling "
+        "log-probabilities (verl's tis_imp_ratio_cap). Unset: off. The gap is logged either "
+        "way (engine_logprob_gap).",
+    )
     max_turns: int = Field(
         10,
         ge=1,

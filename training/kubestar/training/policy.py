@@ -153,6 +153,7 @@ class Policy:
                 mask,
                 config,
                 normalizer=float(tokens),
+                sampling_logprobs=micro.sampling_logprobs.to(self.device),
             )
             loss.backward()
             weight = float(mask.sum()) / tokens

@@ -31,6 +31,7 @@ from typing import Any
 
 from kubestar.api.conditions import Phase, Reason
 from kubestar.api.v1alpha1 import (
+    AlgorithmSpec,
     CallLimitsSpec,
     DatasetSpec,
     StageSpec,
@@ -52,6 +53,20 @@ from kubestar.training.trajectory import Trajectory
 log = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[str, int, int, dict[str, float]], None]
+
+
+def algorithm_config(spec: AlgorithmSpec) -> AlgorithmConfig:
+    """The trainer's settings from the TrainingRun's spec.algorithm."""
+    return AlgorithmConfig(
+        name=spec.name,
+        group_size=spec.group_size,
+        oversample_factor=spec.oversample_factor if spec.name == "grpo-roc" else 1.0,
+        clip_low=spec.clip_low,
+        clip_high=spec.clip_high,
+        positive_selection=spec.positive_selection,
+        updates_per_step=spec.updates_per_step,
+        tis_cap=spec.tis_cap,
+    )
 
 
 def load_dataset(spec: DatasetSpec) -> list[Problem]:
@@ -268,15 +283,7 @@ class TrainingSession:
 
     # -- pieces ----------------------------------------------------------------------------
     def _algorithm(self) -> AlgorithmConfig:
-        a = self.spec.algorithm
-        return AlgorithmConfig(
-            name=a.name,
-            group_size=a.group_size,
-            oversample_factor=a.oversample_factor if a.name == "grpo-roc" else 1.0,
-            clip_low=a.clip_low,
-            clip_high=a.clip_high,
-            positive_selection=a.positive_selection,
-        )
+        return algorithm_config(self.spec.algorithm)
 
     def _sampling(self, temperature: float | None = None) -> Sampling:
         a = self.spec.algorithm

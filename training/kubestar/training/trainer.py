@@ -39,6 +39,7 @@ class AlgorithmConfig:
     clip_high: float = 0.28
     positive_selection: PositiveSelection = "inverse-penalty"
     updates_per_step: int = 1  # mini-batches per step; more than 1 makes the clip bite
+    tis_cap: float | None = None  # truncated importance sampling against the engine's sampling
 
     @property
     def rollouts_per_problem(self) -> int:
@@ -131,7 +132,9 @@ class GrpoTrainer:
         self.config = config
         self.pad_id = pad_id
         self.rng = random.Random(seed)
-        self.loss_config = GrpoConfig(clip_low=config.clip_low, clip_high=config.clip_high)
+        self.loss_config = GrpoConfig(
+            clip_low=config.clip_low, clip_high=config.clip_high, tis_cap=config.tis_cap
+        )
 
     def _prepare(
         self, trajectories: Sequence[Trajectory]
@@ -196,4 +199,5 @@ class GrpoTrainer:
                 totals[key] += value / len(minis)
         metrics.update({f"train_{key}": value for key, value in totals.items()})
         metrics["trained_tokens"] = float(batch.tokens)
+        metrics["optimizer_steps"] = float(len(minis))
         return metrics
