@@ -24,6 +24,7 @@ import ctypes
 import errno
 import os
 import sys
+from collections.abc import Callable
 
 from kubestar.sandbox import seccomp
 
@@ -75,12 +76,13 @@ def hide_libseccomp() -> None:
     if len(paths) != 1:
         raise Refused(f"cannot tell where libseccomp is loaded from: {sorted(paths)}")
     libc = ctypes.CDLL(None, use_errno=True)
-    for result, what in (
-        (lambda: libc.unshare(seccomp.CLONE_NEWNS), "unshare(CLONE_NEWNS)"),
-        (lambda: libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount(/)"),
-        (lambda: libc.mount(b"/dev/null", paths.pop().encode(), None, MS_BIND, None), "bind"),
-    ):
-        if result() != 0:
+    steps: list[tuple[str, Callable[[], int]]] = [
+        ("unshare(CLONE_NEWNS)", lambda: int(libc.unshare(seccomp.CLONE_NEWNS))),
+        ("mount(/)", lambda: int(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None))),
+        ("bind", lambda: int(libc.mount(b"/dev/null", paths.pop().encode(), None, MS_BIND, None))),
+    ]
+    for what, step in steps:
+        if step() != 0:
             raise Refused(f"cannot hide libseccomp: {what}: {os.strerror(ctypes.get_errno())}")
 
 
