@@ -105,6 +105,7 @@ def test_defaults_fill_every_field(cluster: LocalCluster, namespace: str) -> Non
         "clipLow": 0.2,
         "clipHigh": 0.28,
         "learningRate": 1e-06,
+        "updatesPerStep": 1,  # tisCap has no default: unset is off
         "maxTurns": 10,
         "positiveSelection": "inverse-penalty",
         "temperature": 1,
