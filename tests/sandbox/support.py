@@ -20,6 +20,7 @@ import pytest
 from kubestar.common.net import free_port, wait_serving
 from kubestar.sandbox.client import SandboxClient
 from kubestar.sandbox.executor import ExecutorConfig
+from kubestar.sandbox.isolation import ROOT_CAPABILITIES
 from kubestar.sandbox.limits import LimitPolicy
 from kubestar.sandbox.pool import ExecutorPool
 from kubestar.sandbox.server import SERVICE_NAME, SandboxServer, ServerConfig
@@ -270,8 +271,15 @@ def unprivileged(*options: str) -> list[str]:
     return prefix
 
 
-# How a worker runs: as root (namespaces, a uid per executor), as pods run it (a non-root uid
-# that makes a user namespace), or as that uid without isolation (development only).
+def pod_root(*options: str) -> list[str]:
+    """The prefix that runs a server as the chart's worker pods run it: root with exactly the
+    capabilities the operator grants the container (ROOT_CAPABILITIES), and no_new_privs."""
+    return unprivileged("--capabilities", ",".join(map(str, ROOT_CAPABILITIES)), *options)
+
+
+# How a worker runs: as root, as the chart's pods run it (namespaces, a uid per executor, only
+# the capabilities the container is granted), as a non-root uid that makes a user namespace,
+# or as that uid without isolation (development only).
 WORKER_MODES = ("root", "non-root", "no-isolation")
 
 
@@ -285,7 +293,7 @@ def start_worker(
     """`kubestar sandbox serve` (with `args`) started in `mode` (see WORKER_MODES), serving."""
     if mode == "root" and not IS_ROOT:
         pytest.skip("a root worker needs the tests to run as root")
-    prefix = () if mode == "root" else unprivileged("--uid", POD_UID)
+    prefix = pod_root() if mode == "root" else unprivileged("--uid", POD_UID)
     options = ("--no-isolation", *args) if mode == "no-isolation" else args
     server = ServerProcess(log_dir, *options, prefix=prefix, preload=preload, executors=executors)
     return server.wait_ready()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from kubestar.sandbox.client import SandboxClient
+from kubestar.sandbox.isolation import ROOT_CAPABILITIES
 from kubestar.v1 import sandbox_pb2 as pb
 
 from tests.sandbox.support import (
@@ -102,6 +103,17 @@ def refusal(log_dir: Path, tmp_path: Path, options: list[str]) -> str:
     # The executors that did start were stopped with the worker.
     assert [pid for pid in started if process_alive(pid)] == []
     return reason
+
+
+@requires_root
+def test_a_root_worker_missing_a_capability_it_needs_refuses_to_serve(
+    log_dir: Path, tmp_path: Path
+) -> None:
+    """A container that drops CAP_KILL would start executors that die on their first call
+    (they cannot kill what a call leaves behind): the worker names it and does not serve."""
+    kept = [str(number) for number, name in ROOT_CAPABILITIES.items() if name != "CAP_KILL"]
+    reason = refusal(log_dir, tmp_path, ["--capabilities", ",".join(kept)])
+    assert "capabilities CAP_KILL: a worker running as root needs CAP_SYS_ADMIN" in reason, reason
 
 
 def test_without_isolation_when_told(log_dir: Path) -> None:

@@ -1,14 +1,17 @@
 """Run a command as a sandbox pod runs it: as a non-root uid, and under a seccomp filter that,
 like container runtimes' default profiles, refuses new namespaces.
 
-    python -m tests.sandbox.unprivileged [--uid UID] [--deny-namespaces] [--deny-seccomp] \
-        [--without-libseccomp] -- COMMAND...
+    python -m tests.sandbox.unprivileged [--uid UID] [--capabilities N,...] \
+        [--deny-namespaces] [--deny-seccomp] [--without-libseccomp] -- COMMAND...
 
 --uid: become UID in a new user namespace that maps it to the caller's own uid, so the
 command keeps reading what the caller can (an interpreter under /root) but is not root and
-holds no capabilities once it execs. --deny-namespaces: unshare() and setns() fail with
-EPERM, clone() with a namespace flag too, and clone3() with ENOSYS (its flags cannot be
-filtered; C libraries then fall back to clone()), as in Docker's and containerd's default
+holds no capabilities once it execs. --capabilities (as root): keep only these capabilities
+(numbers, as in linux/capability.h) in the bounding set and set no_new_privs, so the command
+runs as root with exactly them, as a container that drops ALL and adds these runs it.
+--deny-namespaces: unshare() and setns() fail with EPERM, clone() with a namespace flag too,
+and clone3() with ENOSYS (its flags cannot be filtered; C libraries then fall back to
+clone()), as in Docker's and containerd's default
 profiles for a container without CAP_SYS_ADMIN. --deny-seccomp: seccomp() and
 prctl(PR_SET_SECCOMP) fail with EPERM, so the command cannot load a filter of its own. The
 filter is built with libseccomp (kubestar.sandbox.seccomp). --without-libseccomp: in a mount
@@ -32,6 +35,8 @@ CLONE_NEWUSER = seccomp.CLONE_NEWUSER
 MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 0x40000
+PR_SET_NO_NEW_PRIVS = 38
+PR_CAPBSET_DROP = 24
 
 
 class Refused(Exception):
@@ -50,6 +55,18 @@ def become(uid: int) -> None:
     ):
         with open(path, "w") as handle:
             handle.write(text)
+
+
+def keep_only(capabilities: set[int]) -> None:
+    """Drop every other capability from the bounding set: after exec, root holds these only."""
+    with open("/proc/sys/kernel/cap_last_cap") as last:
+        every = range(int(last.read()) + 1)
+    libc = ctypes.CDLL(None, use_errno=True)
+    for number in set(every) - capabilities:
+        if libc.prctl(PR_CAPBSET_DROP, number, 0, 0, 0) != 0:
+            raise Refused(f"cannot drop capability {number}: {os.strerror(ctypes.get_errno())}")
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise Refused(f"cannot set no_new_privs: {os.strerror(ctypes.get_errno())}")
 
 
 def deny(namespaces: bool, seccomp_filters: bool) -> None:
@@ -89,6 +106,7 @@ def hide_libseccomp() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--uid", type=int, default=None)
+    parser.add_argument("--capabilities", default=None)
     parser.add_argument("--deny-namespaces", action="store_true")
     parser.add_argument("--deny-seccomp", action="store_true")
     parser.add_argument("--without-libseccomp", action="store_true")
@@ -97,6 +115,10 @@ def main() -> None:
     try:
         if args.uid is not None:
             become(args.uid)
+        if args.capabilities is not None:
+            if os.geteuid() != 0:
+                raise Refused("--capabilities needs root")
+            keep_only({int(number) for number in args.capabilities.split(",") if number})
         if args.deny_namespaces or args.deny_seccomp:
             deny(args.deny_namespaces, args.deny_seccomp)
         if args.without_libseccomp:

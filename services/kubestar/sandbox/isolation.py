@@ -64,6 +64,18 @@ PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 # The exit code of an executor that could not isolate itself.
 ISOLATION_FAILED_EXIT = 3
+# What a root executor uses its capabilities for, by capability number (linux/capability.h):
+# the namespaces and mounts, dropping each call to a uid of its own, making the call's
+# directory that uid's, reaching into it to empty it, and killing what a call leaves behind.
+# A container that runs the worker as root must grant exactly these (see docs/security.md).
+ROOT_CAPABILITIES = {
+    21: "CAP_SYS_ADMIN",
+    7: "CAP_SETUID",
+    6: "CAP_SETGID",
+    5: "CAP_KILL",
+    0: "CAP_CHOWN",
+    1: "CAP_DAC_OVERRIDE",
+}
 # Paths that commonly hold credentials; hidden behind an empty tmpfs when they exist.
 # Root's home holds kubeconfigs, cloud and SSH credentials; the others are Kubernetes' and
 # Docker's secret mounts.
@@ -181,6 +193,13 @@ def isolate(uid: int, hidden_paths: list[str]) -> Isolation:
                 f"a separate uid for calls: this executor's uid would be {uid} (root); "
                 "give a --uid-base above 0"
             )
+        missing = missing_root_capabilities()
+        if missing:
+            raise IsolationFailed(
+                f"capabilities {', '.join(missing)}: a worker running as root needs "
+                f"{', '.join(ROOT_CAPABILITIES.values())} (its calls run with none); "
+                "grant them to the container, or run the worker as non-root (user namespaces)"
+            )
         flags = CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
         if _libc.unshare(flags) != 0:
             call = "unshare(CLONE_NEWNET|CLONE_NEWNS|CLONE_NEWPID|CLONE_NEWIPC|CLONE_NEWUTS)"
@@ -228,6 +247,21 @@ def isolate(uid: int, hidden_paths: list[str]) -> Isolation:
     isolation.pid_namespace = True
     _setup_mounts(isolation, hidden_paths)
     return isolation
+
+
+def missing_root_capabilities() -> list[str]:
+    """Names of ROOT_CAPABILITIES this process lacks in its effective set.
+
+    Checked before anything is set up: a container that drops one of them would otherwise
+    start an executor that dies on its first call (no CAP_KILL: it cannot clean up after a
+    call; no CAP_CHOWN: it cannot hand the call its directory).
+    """
+    effective = 0
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("CapEff:"):
+                effective = int(line.split()[1], 16)
+    return [name for bit, name in ROOT_CAPABILITIES.items() if not effective >> bit & 1]
 
 
 def _become_namespace_init() -> None:
