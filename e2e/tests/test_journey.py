@@ -8,7 +8,9 @@ delete -> every child garbage-collected -> helm uninstall.
 Along the way, while the run is in progress: an invalid TrainingRun is rejected with a
 message naming the field; an image that cannot be pulled shows up as a condition; the
 operator pod is killed and the run still succeeds; a sandbox worker pod is killed in the
-middle of a batch of tool calls and no call is lost.
+middle of a batch of tool calls and no call is lost; a tool call in the chart's sandbox pod
+reaches neither the API server, the scheduler, an engine nor the outside; and a pool whose
+isolation the node refuses says IsolationUnavailable instead of becoming Ready.
 """
 
 from __future__ import annotations
@@ -407,6 +409,103 @@ def test_sandbox_worker_killed_mid_batch_loses_no_call(tools: Tools, settings: S
         assert after.get(f"results.{status}", 0) == before.get(f"results.{status}", 0), after
 
 
+# Run in the dispatcher's pod: the targets straight from the pod, then from a tool call.
+REACH = r"""
+import asyncio, json, socket
+from kubestar.sandbox.client import SandboxClient, status_label
+
+TARGETS = json.loads('{targets}')
+PROBE = '''
+import json, os, socket
+targets = json.loads(%r)
+seen = {{"uid": os.getuid(), "interfaces": [name for _, name in socket.if_nameindex()]}}
+if seen["interfaces"] == ["lo"]:
+    # No interface leads anywhere: the attempt cannot leave this machine.
+    targets["outside"] = ["192.0.2.1", 80]
+for name, (host, port) in targets.items():
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+        seen[name] = "connected"
+    except OSError as error:
+        seen[name] = type(error).__name__ + ": " + str(error.strerror)
+print(json.dumps(seen))
+'''
+
+def direct():
+    seen = {{}}
+    for name, (host, port) in TARGETS.items():
+        try:
+            socket.create_connection((host, port), timeout=3).close()
+            seen[name] = "connected"
+        except OSError as error:
+            seen[name] = str(error)
+    return seen
+
+async def main():
+    client = SandboxClient("127.0.0.1:{port}", timeout=120)
+    result = await client.aexecute(PROBE % json.dumps(TARGETS))
+    await client.aclose()
+    print(json.dumps({{"pod": direct(), "status": status_label(result.status),
+                      "call": result.stdout, "stderr": result.stderr}}))
+
+asyncio.run(main())
+"""
+
+
+def test_tool_calls_reach_nothing_from_the_sandbox(tools: Tools, settings: Settings) -> None:
+    """From a tool call in the chart's sandbox pod (isolation Required, the default), the API
+    server, the rollout scheduler, an engine and the dispatcher cannot be reached, though the
+    pod itself reaches them; nor can an outside address."""
+    pool = tools.get("sandboxpool", POOL, settings.namespace)
+    assert pool is not None
+    assert pool["status"]["isolation"] == "Required", pool["status"]
+    server = tools.kubectl_text(
+        "config", "view", "--minify", "-o", "jsonpath={.clusters[0].cluster.server}"
+    )
+    api = re.match(r"https?://\[?([^\]/]+?)\]?:(\d+)", server)
+    assert api, server
+    fleet = tools.get("rolloutfleet", FLEET, settings.namespace)
+    assert fleet is not None
+    scheduler_host, scheduler_port = fleet["status"]["schedulerEndpoint"].rsplit(":", 1)
+    engine = tools.items(
+        "pods",
+        settings.namespace,
+        f"app.kubernetes.io/instance={FLEET}",
+        "app.kubernetes.io/component=engine",
+    )[0]
+    engine_port = engine["spec"]["containers"][0]["ports"][0]["containerPort"]
+    engine_host = engine["status"].get("podIP") or "127.0.0.1"
+    dispatcher_host = pool["status"]["endpoint"].rsplit(":", 1)[0]
+    targets = {
+        "api_server": [api.group(1), int(api.group(2))],
+        "scheduler": [scheduler_host, int(scheduler_port)],
+        "engine": [engine_host, engine_port],
+        "dispatcher": [dispatcher_host, 50051],
+    }
+    script = REACH.format(port=50051, targets=json.dumps(targets))
+    output = tools.kubectl_text(
+        "exec",
+        "-n",
+        settings.namespace,
+        f"deploy/{POOL}-sandbox",
+        "--",
+        "python",
+        "-c",
+        script,
+        timeout=180,
+    )
+    seen = json.loads(output.strip().splitlines()[-1])
+    settings.notes["sandbox_reach"] = seen
+    # The pod reaches every target: what a call cannot reach, the isolation keeps from it.
+    assert set(seen["pod"].values()) == {"connected"}, seen
+    assert seen["status"] == "ok", seen
+    call = json.loads(seen["call"])
+    assert call["interfaces"] == ["lo"], call
+    assert call["uid"] != 0, call
+    for name in [*targets, "outside"]:
+        assert call[name] == "OSError: Network is unreachable", (name, call)
+
+
 def test_run_succeeds_with_step_metrics_and_checkpoint(tools: Tools, settings: Settings) -> None:
     recorder = Journey.recorder
     assert recorder is not None
@@ -484,6 +583,49 @@ def test_run_succeeds_with_step_metrics_and_checkpoint(tools: Tools, settings: S
     lines = watch.lines()
     assert lines[0].split()[:4] == ["NAME", "PHASE", "STAGE", "STEP"], lines[:2]
     assert any(re.search(rf"^{RUN}\s+Training\s+\S+\s+\d/2", line) for line in lines), lines
+
+
+def test_a_pool_without_the_isolation_it_needs_is_not_ready(
+    tools: Tools, settings: Settings
+) -> None:
+    """Told to isolate by user namespaces, which this node's runtime refuses to non-root
+    containers, the pool's new worker does not serve, and the pool says why."""
+    tools.helm(
+        "upgrade",
+        settings.release,
+        str(CHART),
+        "-n",
+        settings.system_namespace,
+        "--reuse-values",
+        "--set",
+        "sandbox.isolationMechanism=UserNamespace",
+        "--wait",
+        "--timeout",
+        "5m",
+    )
+
+    def unavailable() -> Obj | None:
+        pool = tools.get("sandboxpool", POOL, settings.namespace) or {}
+        ready = condition(pool, "Ready") or {}
+        return ready if ready.get("reason") == "IsolationUnavailable" else None
+
+    ready = wait_for(
+        "the pool to say IsolationUnavailable",
+        unavailable,
+        timeout=300,
+        interval=2,
+        describe=lambda: json.dumps(tools.get("sandboxpool", POOL, settings.namespace), indent=1),
+    )
+    settings.notes["isolation_unavailable"] = ready["message"]
+    assert ready["status"] == "False", ready
+    assert "unshare(CLONE_NEWUSER|CLONE_NEWNET) failed: EPERM" in ready["message"], ready
+    workers = tools.items(
+        "pods",
+        settings.namespace,
+        f"app.kubernetes.io/instance={POOL}",
+        "app.kubernetes.io/component=sandbox-worker",
+    )
+    assert workers and not any(pod_ready(pod) for pod in workers), workers
 
 
 def test_delete_collects_every_child(tools: Tools, settings: Settings) -> None:

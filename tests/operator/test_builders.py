@@ -79,13 +79,23 @@ def test_sandbox_pods_are_locked_down() -> None:
     (worker,) = pod["containers"]
     assert worker["securityContext"]["readOnlyRootFilesystem"] is True
     assert worker["securityContext"]["allowPrivilegeEscalation"] is False
-    assert worker["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    # Isolation required, by capabilities (the default): root with exactly what the
+    # executors use; the calls run as uids of their own with none.
+    assert worker["securityContext"]["runAsUser"] == 0
+    assert worker["securityContext"]["runAsNonRoot"] is False
+    assert worker["securityContext"]["capabilities"] == {
+        "drop": ["ALL"],
+        "add": ["SYS_ADMIN", "SETUID", "SETGID", "KILL", "CHOWN", "DAC_OVERRIDE"],
+    }
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     assert worker["command"][:3] == ["kubestar", "sandbox", "serve"]
     assert worker["command"][worker["command"].index("--executors") + 1] == "8"
     assert "hostNetwork" not in pod
     assert workers["spec"]["replicas"] == 3
 
     dispatcher = build_sandbox.dispatcher_deployment(pool, spec, OperatorSettings())
+    assert containers(dispatcher)[0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert "runAsUser" not in containers(dispatcher)[0]["securityContext"]
     command = containers(dispatcher)[0]["command"]
     targets = [command[i + 1] for i, arg in enumerate(command) if arg == "--worker"]
     assert targets == [
@@ -96,6 +106,21 @@ def test_sandbox_pods_are_locked_down() -> None:
     assert build_sandbox.endpoint("pool", "team", spec, OperatorSettings()) == (
         "pool-sandbox.team.svc.cluster.local:50051"
     )
+
+
+@pytest.mark.parametrize(
+    ("mechanism", "isolation"), [("UserNamespace", "Required"), ("Capabilities", "Disabled")]
+)
+def test_sandbox_workers_run_as_non_root_without_capabilities_otherwise(
+    mechanism: str, isolation: str
+) -> None:
+    settings = OperatorSettings.model_validate({"sandbox": {"isolationMechanism": mechanism}})
+    spec = SandboxPoolSpec.model_validate({"isolation": isolation})
+    workers = build_sandbox.worker_statefulset(parent("SandboxPool", "pool"), spec, settings)
+    (worker,) = containers(workers)
+    assert worker["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert "runAsUser" not in worker["securityContext"]
+    assert workers["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == 65532
 
 
 def test_host_network_is_a_setting() -> None:

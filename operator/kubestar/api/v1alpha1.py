@@ -137,11 +137,13 @@ class SandboxPoolSpec(Spec):
     )
     isolation: Literal["Required", "Disabled"] = Field(
         "Required",
-        description="Whether workers must isolate every call in namespaces of its own. "
-        "Required: a worker that cannot (the node or the container's seccomp profile refuses "
-        "a namespace) does not start, and the Ready condition says IsolationUnavailable, "
-        "naming the namespace, the system call that failed and why. Disabled: calls run "
-        "without namespaces and can reach the pod's network; for development only.",
+        description="Whether workers must isolate every call: network, mount, PID, IPC and "
+        "UTS namespaces of its own and kubestar's syscall filter. Required: a worker that "
+        "cannot (a capability the container lacks, a namespace the node or the seccomp "
+        "profile refuses) does not start, and the Ready condition says IsolationUnavailable, "
+        "naming what is missing, the system call that failed and why; how workers get the "
+        "namespaces is the chart's sandbox.isolationMechanism. Disabled: calls run without "
+        "namespaces or filter and can reach the pod's network; for development only.",
     )
     port: int = Field(
         50051,

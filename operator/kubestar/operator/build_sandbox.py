@@ -1,9 +1,14 @@
 """Children of a SandboxPool (pure): a StatefulSet of sandbox workers behind a headless
 Service (stable names the dispatcher dials), a dispatcher Deployment and its Service.
 
-Worker pods mount no service-account token, run as non-root with a read-only root
-filesystem (writable /tmp only), drop every capability, and take the pool's runtimeClassName
-(gVisor, Kata) when set. Workers listen on `spec.port + 1`, the dispatcher on `spec.port`.
+Sandbox pods mount no service-account token, have a read-only root filesystem (writable
+/tmp only), no privilege escalation, the runtime's default seccomp profile, and take the
+pool's runtimeClassName (gVisor, Kata) when set. The dispatcher runs as non-root with no
+capabilities. A worker of a pool with isolation: Required gets the namespaces it runs calls in
+as the operator's settings say (sandbox.isolationMechanism): by default it runs as root with
+exactly the capabilities its executors use, and each call runs as a uid of its own with none;
+with UserNamespace it runs as non-root with no capabilities. Workers listen on
+`spec.port + 1`, the dispatcher on `spec.port`.
 
 A worker that cannot isolate its calls (spec.isolation: Required) exits with one line in its
 termination message, which the kubelet puts in the pod's status and the SandboxPool's Ready
@@ -18,6 +23,7 @@ from typing import Any
 from kubestar.api.v1alpha1 import SandboxPoolSpec
 from kubestar.operator import objects as o
 from kubestar.operator.settings import OperatorSettings
+from kubestar.sandbox.isolation import ROOT_CAPABILITIES
 
 WORKER = "sandbox-worker"
 DISPATCHER = "sandbox-dispatcher"
@@ -62,6 +68,21 @@ def _pod_security(settings: OperatorSettings) -> o.Obj:
     security: o.Obj = {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid, "fsGroup": uid}
     if settings.sandbox.seccomp_runtime_default:
         security["seccompProfile"] = {"type": "RuntimeDefault"}
+    return security
+
+
+def worker_runs_as_root(spec: SandboxPoolSpec, settings: OperatorSettings) -> bool:
+    return spec.isolation == "Required" and settings.sandbox.isolation_mechanism == "Capabilities"
+
+
+def _worker_security(spec: SandboxPoolSpec, settings: OperatorSettings) -> o.Obj:
+    """The worker container's security context: the dispatcher's, or root with exactly the
+    capabilities the executors use (the calls themselves hold none)."""
+    security = o.restricted_container_security()
+    if worker_runs_as_root(spec, settings):
+        security.update(runAsUser=0, runAsGroup=0, runAsNonRoot=False)
+        added = [name.removeprefix("CAP_") for name in ROOT_CAPABILITIES.values()]
+        security["capabilities"] = {"drop": ["ALL"], "add": added}
     return security
 
 
@@ -142,6 +163,7 @@ def worker_statefulset(
     if spec.isolation == "Disabled":
         args.append("--no-isolation")
     container = _container("worker", spec, settings, args, port, metrics)
+    container["securityContext"] = _worker_security(spec, settings)
     container["resources"] = o.resources(spec.resources.requests, spec.resources.limits)
     selector = o.selector_labels("SandboxPool", name, WORKER)
     return o.with_hash(

@@ -55,7 +55,16 @@ class Ports(_Settings):
 
 
 class SandboxDefaults(_Settings):
+    # The uid of dispatcher pods, and of worker pods that do not run as root (see below).
     run_as_user: int = 65532
+    # How a worker of a pool with isolation: Required gets the namespaces it runs calls in.
+    # Capabilities: the worker container runs as root with exactly the capabilities its
+    # executors use (kubestar.sandbox.isolation.ROOT_CAPABILITIES), which the container
+    # runtimes' default seccomp profiles honour; each call runs as a uid of its own with no
+    # capabilities, under kubestar's syscall filter. UserNamespace: the worker runs as
+    # run_as_user with no capabilities and makes a user namespace, which takes a node or a
+    # runtime class (gVisor) that allows it; the runtimes' default profiles refuse it.
+    isolation_mechanism: Literal["Capabilities", "UserNamespace"] = "Capabilities"
     # Used when a pool sets no runtimeClassName (e.g. gvisor); empty: the cluster default.
     runtime_class_name: str = ""
     seccomp_runtime_default: bool = True
