@@ -231,6 +231,32 @@ def test_spec_change_rolls_out_and_deleted_child_is_recreated(
     assert owned_by(service, pool)
 
 
+def test_a_field_the_operator_no_longer_wants_leaves_the_child(
+    cluster: LocalCluster, operator: OperatorProcess, namespace: str
+) -> None:
+    """Children are created with a POST and updated by server-side apply: what the create
+    set and a later spec no longer asks for (the worker's root uid and capabilities, once
+    isolation is off) is removed, not kept beside the new fields."""
+    api = cluster.api()
+    api.create(kubestar(namespace, "sandboxpools"), example("SandboxPool", "calm"))
+    sts = apis("apps/v1", namespace, "statefulsets", "calm-sandbox-worker")
+
+    def security() -> dict[str, Any]:
+        worker = api.get(sts) or {"spec": {"template": {"spec": {"containers": [{}]}}}}
+        return dict(worker["spec"]["template"]["spec"]["containers"][0].get("securityContext", {}))
+
+    wait_for("the workers", lambda: security() or None)
+    assert security()["runAsUser"] == 0 and "SYS_ADMIN" in security()["capabilities"]["add"]
+    api.merge_patch(
+        kubestar(namespace, "sandboxpools", "calm"), {"spec": {"isolation": "Disabled"}}
+    )
+    wait_for("root and the capabilities gone", lambda: "runAsUser" not in security())
+    assert security()["capabilities"] == {"drop": ["ALL"]}
+    worker = api.get(sts)
+    assert worker is not None
+    assert "--no-isolation" in worker["spec"]["template"]["spec"]["containers"][0]["command"]
+
+
 def test_deleting_a_resource_garbage_collects_its_children(
     cluster: LocalCluster, operator: OperatorProcess, kubelet: FakeKubelet, namespace: str
 ) -> None:
@@ -250,7 +276,9 @@ def test_deleting_a_resource_garbage_collects_its_children(
             and not api.items(core(namespace, "services"), selector)
             and not api.items(core(namespace, "serviceaccounts"), selector)
         ),
-        timeout=30,
+        # The collector finds owners of a custom resource kind by rediscovering the API,
+        # every 30 s: a kind new to it may wait that long.
+        timeout=90,
     )
     wait_for("pods gone", lambda: not kubelet.pods(namespace, selector), timeout=30)
 

@@ -34,6 +34,46 @@ class ChildConflict(Exception):
     """A child's name is taken by an object this resource does not own."""
 
 
+def _union(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    """Two fieldsV1 trees (nested sets of field paths) as one."""
+    merged = dict(a)
+    for name, value in b.items():
+        merged[name] = _union(merged.get(name) or {}, value) if value else merged.get(name, {})
+    return merged
+
+
+def fields_owned_by_applier(live: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """`live`'s managedFields with what the operator's create (a POST) owns handed to its
+    applies, or None when there is nothing to hand over.
+
+    A create is recorded as an "Update" by FIELD_MANAGER, an apply as an "Apply": the API
+    server keeps them apart, and an apply that leaves a field out removes it only where the
+    applier owns it. Without the hand-over a field the operator once set and no longer wants
+    (a capability, a flag's value) would stay on the child for ever.
+    """
+    entries = list(live["metadata"].get("managedFields") or [])
+    created = [
+        e for e in entries if e.get("manager") == FIELD_MANAGER and e.get("operation") == "Update"
+    ]
+    if not created:
+        return None
+    applied = [
+        e for e in entries if e.get("manager") == FIELD_MANAGER and e.get("operation") == "Apply"
+    ]
+    fields: dict[str, Any] = {}
+    for entry in [*created, *applied]:
+        fields = _union(fields, entry.get("fieldsV1") or {})
+    owner = {
+        "manager": FIELD_MANAGER,
+        "operation": "Apply",
+        "apiVersion": (applied or created)[0].get("apiVersion", live.get("apiVersion")),
+        "fieldsType": "FieldsV1",
+        "fieldsV1": fields,
+    }
+    others = [e for e in entries if e.get("manager") != FIELD_MANAGER]
+    return [*others, owner]
+
+
 @dataclass
 class Applied:
     obj: o.Obj
@@ -123,6 +163,21 @@ class Context:
                 action = "unchanged" if have == want else "kept"
                 metrics.CHILD_APPLIES.labels(desired["kind"], action).inc()
                 return Applied(live, action)
+            managed = fields_owned_by_applier(live)
+            if managed is not None:
+                await self.kube.request(
+                    "PATCH",
+                    url,
+                    [
+                        {
+                            "op": "test",
+                            "path": "/metadata/resourceVersion",
+                            "value": live["metadata"]["resourceVersion"],
+                        },
+                        {"op": "replace", "path": "/metadata/managedFields", "value": managed},
+                    ],
+                    content_type="application/json-patch+json",
+                )
         result = await self.kube.request(
             "PATCH",
             url,
