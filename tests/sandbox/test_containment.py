@@ -207,3 +207,39 @@ print(found)
     assert first_result.status == OK, first_result
     assert (second.status, second.stdout) == (OK, "[]\n"), second
     assert second.executor != first_result.executor
+
+
+# Leaves a System V shared memory segment, message queue and semaphore set behind: they
+# live in the executor's IPC namespace, not in a directory that is emptied.
+IPC_LEFTOVERS = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+IPC_PRIVATE, IPC_CREAT = 0, 0o1000
+ids = [
+    libc.shmget(IPC_PRIVATE, 4096, IPC_CREAT | 0o600),
+    libc.msgget(IPC_PRIVATE, IPC_CREAT | 0o000),
+    libc.semget(IPC_PRIVATE, 1, IPC_CREAT | 0o600),
+]
+print(min(ids) >= 0)
+"""
+IPC_LISTING = """
+rows = []
+for kind in ("shm", "msg", "sem"):
+    with open("/proc/sysvipc/" + kind) as table:
+        rows += [kind + ": " + line.strip() for line in table.readlines()[1:]]
+print(rows)
+"""
+
+
+def test_a_call_finds_no_ipc_objects_an_earlier_call_left(
+    isolated_worker: ServerProcess,
+) -> None:
+    with SandboxClient(isolated_worker.endpoint, timeout=60) as client:
+        left = client.execute(IPC_LEFTOVERS)
+        assert (left.status, left.stdout) == (OK, "True\n"), left
+        # The next calls of the same executor (and zygote), and of the others.
+        listings = [client.execute(IPC_LISTING) for _ in range(4 * EXECUTORS)]
+    same = [result for result in listings if result.executor == left.executor]
+    assert same, [result.executor for result in listings]
+    for result in listings:
+        assert (result.status, result.stdout) == (OK, "[]\n"), result

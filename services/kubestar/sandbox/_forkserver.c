@@ -35,7 +35,11 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/ipc.h>
+#include <sys/msg.h>
 #include <sys/resource.h>
+#include <sys/sem.h>
+#include <sys/shm.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
@@ -379,6 +383,53 @@ static void empty_directory(const private_dir_t *dir) {
         }
     }
     closedir(listing);
+}
+
+/* The *_STAT_ANY commands (Linux 4.17) read an object whatever its mode: a call may create
+ * one the zygote has no permission to read. */
+#ifndef SHM_STAT_ANY
+#define SHM_STAT_ANY 15
+#endif
+#ifndef MSG_STAT_ANY
+#define MSG_STAT_ANY 13
+#endif
+#ifndef SEM_STAT_ANY
+#define SEM_STAT_ANY 20
+#endif
+
+/* Remove every System V shared memory segment, message queue and semaphore set: a call
+ * must not find what the one before it left (they live in the executor's IPC namespace,
+ * not in its files). One *_INFO call each when there are none, as after most calls.
+ * Removing takes ownership or CAP_SYS_ADMIN: the zygote is the calls' uid in a user
+ * namespace, or root with CAP_SYS_ADMIN. */
+static void remove_ipc_objects(void) {
+    struct shm_info shm_usage;
+    int highest = shmctl(0, SHM_INFO, (struct shmid_ds *)&shm_usage);
+    for (int index = 0; highest >= 0 && shm_usage.used_ids > 0 && index <= highest; index++) {
+        struct shmid_ds segment;
+        int id = shmctl(index, SHM_STAT_ANY, &segment);
+        if (id >= 0) {
+            shmctl(id, IPC_RMID, NULL);
+        }
+    }
+    struct msginfo msg_usage;
+    highest = msgctl(0, MSG_INFO, (struct msqid_ds *)&msg_usage);
+    for (int index = 0; highest >= 0 && msg_usage.msgpool > 0 && index <= highest; index++) {
+        struct msqid_ds queue;
+        int id = msgctl(index, MSG_STAT_ANY, &queue);
+        if (id >= 0) {
+            msgctl(id, IPC_RMID, NULL);
+        }
+    }
+    struct seminfo sem_usage;
+    highest = semctl(0, 0, SEM_INFO, &sem_usage);
+    for (int index = 0; highest >= 0 && sem_usage.semusz > 0 && index <= highest; index++) {
+        struct semid_ds set;
+        int id = semctl(index, 0, SEM_STAT_ANY, &set);
+        if (id >= 0) {
+            semctl(id, 0, IPC_RMID);
+        }
+    }
 }
 
 static int has_children(void) {
@@ -774,6 +825,11 @@ static int run_call(server_t *server, const struct request_header *request, pid_
     }
     for (int i = 0; i < server->private_dir_count; i++) {
         empty_directory(&server->private_dirs[i]);
+    }
+    /* Private directories mean an isolated executor, with an IPC namespace of its own;
+     * without one the objects are the host's, not the call's. */
+    if (server->private_dir_count > 0) {
+        remove_ipc_objects();
     }
     if (server->collapse && collapse_due(server->calls)) {
         collapse_heap();
