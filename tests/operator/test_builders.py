@@ -64,7 +64,7 @@ def test_every_child_is_owned_labelled_and_hashed() -> None:
         assert len(meta["name"]) <= 63
     # Deterministic: building twice gives the same objects.
     again = build_sandbox.children(pool, SandboxPoolSpec(), settings)
-    assert json.dumps(again, sort_keys=True) == json.dumps(children[:4], sort_keys=True)
+    assert json.dumps(again, sort_keys=True) == json.dumps(children[: len(again)], sort_keys=True)
 
 
 def test_sandbox_pods_are_locked_down() -> None:
@@ -121,6 +121,60 @@ def test_sandbox_workers_run_as_non_root_without_capabilities_otherwise(
     assert worker["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert "runAsUser" not in worker["securityContext"]
     assert workers["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == 65532
+
+
+def _policies(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {p["metadata"]["name"]: p["spec"] for p in objs if p["kind"] == "NetworkPolicy"}
+
+
+def test_network_policies_close_every_plane() -> None:
+    settings = OperatorSettings.model_validate(
+        {"networkPolicies": {"operatorNamespace": "kubestar-system"}}
+    )
+    pool = _policies(
+        build_sandbox.children(parent("SandboxPool", "pool"), SandboxPoolSpec(), settings)
+    )
+    workers = pool["pool-sandbox-worker"]
+    assert workers["podSelector"]["matchLabels"][o.LABEL_COMPONENT] == "sandbox-worker"
+    # No egress at all; the gRPC port only from this pool's dispatcher.
+    assert workers["policyTypes"] == ["Ingress", "Egress"] and workers["egress"] == []
+    grpc, metrics = workers["ingress"]
+    (peer,) = grpc["from"]
+    assert peer["podSelector"]["matchLabels"][o.LABEL_COMPONENT] == "sandbox-dispatcher"
+    assert peer["podSelector"]["matchLabels"][o.LABEL_INSTANCE] == "pool"
+    assert "from" not in metrics and metrics["ports"] == [{"protocol": "TCP", "port": "metrics"}]
+    dispatcher = pool["pool-sandbox"]
+    (trainers,) = dispatcher["ingress"][0]["from"]
+    assert trainers["podSelector"]["matchLabels"][o.LABEL_COMPONENT] == "trainer"
+    assert dispatcher["egress"][0]["ports"] == [{"protocol": "TCP", "port": 50052}]
+
+    fleet = _policies(
+        build_fleet.children(parent("RolloutFleet", "f"), RolloutFleetSpec(), settings)
+    )
+    (engine_ingress,) = fleet["f-engine"]["ingress"]
+    components = {
+        peer["podSelector"]["matchLabels"][o.LABEL_COMPONENT] for peer in engine_ingress["from"]
+    }
+    assert components == {"scheduler", "trainer"}
+    callers = fleet["f-scheduler"]["ingress"][0]["from"]
+    assert {"matchLabels": {"kubernetes.io/metadata.name": "kubestar-system"}} in [
+        peer.get("namespaceSelector") for peer in callers
+    ]
+
+    run = _policies(build_trainer.network_policies(parent("TrainingRun", "r"), settings))
+    (only_own,) = run["r-trainer"]["ingress"][0]["from"]
+    assert only_own["podSelector"]["matchLabels"][o.LABEL_INSTANCE] == "r"
+
+    # Off, or on the host's network (where policies do not apply): none.
+    for values in ({"networkPolicies": {"enabled": False}}, {"network": {"hostNetwork": True}}):
+        other = OperatorSettings.model_validate(values)
+        assert not _policies(
+            build_sandbox.children(parent("SandboxPool", "p"), SandboxPoolSpec(), other)
+        )
+        assert not _policies(
+            build_fleet.children(parent("RolloutFleet", "f"), RolloutFleetSpec(), other)
+        )
+        assert not build_trainer.network_policies(parent("TrainingRun", "r"), other)
 
 
 def test_host_network_is_a_setting() -> None:

@@ -81,6 +81,12 @@ def test_sandbox_pool_children_status_and_ready(
         "deployment": apis("apps/v1", namespace, "deployments", f"{name}-sandbox"),
         "service": core(namespace, "services", f"{name}-sandbox"),
         "headless": core(namespace, "services", f"{name}-sandbox-worker"),
+        "worker policy": apis(
+            "networking.k8s.io/v1", namespace, "networkpolicies", f"{name}-sandbox-worker"
+        ),
+        "dispatcher policy": apis(
+            "networking.k8s.io/v1", namespace, "networkpolicies", f"{name}-sandbox"
+        ),
     }
     for what, path in children.items():
         child = wait_for(what, partial(api.get, path), timeout=10)

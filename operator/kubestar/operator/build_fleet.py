@@ -389,11 +389,61 @@ def scheduler_service(fleet: Mapping[str, Any], spec: RolloutFleetSpec) -> o.Obj
     )
 
 
+def network_policies(fleet: Mapping[str, Any], settings: OperatorSettings) -> list[o.Obj]:
+    """Engines: reached only by their scheduler and the namespace's trainer pods (which push
+    weights). The scheduler: reached by trainer pods and the operator (and on the metrics
+    port). Egress stays open: engines may fetch a model, the scheduler asks the API server
+    for its engines."""
+    name = fleet["metadata"]["name"]
+    engines = o.selector_labels("RolloutFleet", name, ENGINE)
+    scheduler = o.selector_labels("RolloutFleet", name, SCHEDULER)
+    callers: list[o.Obj] = [o.trainer_pods()]
+    operator_namespace = settings.network_policies.operator_namespace
+    if operator_namespace:
+        callers.append(
+            {
+                "namespaceSelector": {
+                    "matchLabels": {"kubernetes.io/metadata.name": operator_namespace}
+                },
+                "podSelector": {
+                    "matchLabels": {o.LABEL_NAME: "kubestar", o.LABEL_COMPONENT: "operator"}
+                },
+            }
+        )
+    return [
+        o.network_policy(
+            fleet,
+            o.child_name(name, ENGINE),
+            ENGINE,
+            engines,
+            ingress=[
+                {"from": [o.pods_of(scheduler), o.trainer_pods()], "ports": o.tcp_ports("http")}
+            ],
+        ),
+        o.network_policy(
+            fleet,
+            o.child_name(name, SCHEDULER),
+            SCHEDULER,
+            scheduler,
+            ingress=[
+                {"from": callers, "ports": o.tcp_ports("grpc")},
+                {"ports": o.tcp_ports("metrics")},
+            ],
+        ),
+    ]
+
+
 def children(
     fleet: Mapping[str, Any], spec: RolloutFleetSpec, settings: OperatorSettings
 ) -> list[o.Obj]:
     """Everything a RolloutFleet owns, in creation order."""
+    policies = (
+        network_policies(fleet, settings)
+        if settings.network_policies.enabled and not settings.network.host_network
+        else []
+    )
     return [
+        *policies,
         engine_deployment(fleet, spec, settings),
         scheduler_service_account(fleet),
         scheduler_role(fleet),

@@ -264,11 +264,50 @@ def dispatcher_service(pool: Mapping[str, Any], spec: SandboxPoolSpec) -> o.Obj:
     )
 
 
+def network_policies(
+    pool: Mapping[str, Any], spec: SandboxPoolSpec, settings: OperatorSettings
+) -> list[o.Obj]:
+    """Workers: reached only by their dispatcher (and on the metrics port), reaching
+    nothing. The dispatcher: reached by the namespace's trainer pods (and on the metrics
+    port), reaching its workers and name lookups."""
+    name = pool["metadata"]["name"]
+    workers = o.selector_labels("SandboxPool", name, WORKER)
+    dispatcher = o.selector_labels("SandboxPool", name, DISPATCHER)
+    metrics = {"ports": o.tcp_ports("metrics")}
+    return [
+        o.network_policy(
+            pool,
+            worker_name(name),
+            WORKER,
+            workers,
+            ingress=[{"from": [o.pods_of(dispatcher)], "ports": o.tcp_ports("grpc")}, metrics],
+            egress=[],
+        ),
+        o.network_policy(
+            pool,
+            dispatcher_name(name),
+            DISPATCHER,
+            dispatcher,
+            ingress=[{"from": [o.trainer_pods()], "ports": o.tcp_ports("grpc")}, metrics],
+            egress=[
+                {"to": [o.pods_of(workers)], "ports": o.tcp_ports(worker_port(spec))},
+                o.DNS_EGRESS,
+            ],
+        ),
+    ]
+
+
 def children(
     pool: Mapping[str, Any], spec: SandboxPoolSpec, settings: OperatorSettings
 ) -> list[o.Obj]:
     """Everything a SandboxPool owns, in creation order."""
+    policies = (
+        network_policies(pool, spec, settings)
+        if settings.network_policies.enabled and not settings.network.host_network
+        else []
+    )
     return [
+        *policies,
         worker_service(pool, spec),
         worker_statefulset(pool, spec, settings),
         dispatcher_service(pool, spec),

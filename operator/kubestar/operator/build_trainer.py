@@ -387,5 +387,20 @@ def jobs(
     return [job(run, spec, fleet, pool, settings, w, server_version) for w in workers]
 
 
+def network_policies(run: Mapping[str, Any], settings: OperatorSettings) -> list[o.Obj]:
+    """Trainer pods are reached only by the run's other trainer pods (the rendezvous, the
+    collectives, Ray between workers); none when policies are off or pods use the host's
+    network (which policies do not govern)."""
+    if not settings.network_policies.enabled or settings.network.host_network:
+        return []
+    name = run["metadata"]["name"]
+    trainers = o.selector_labels("TrainingRun", name, TRAINER)
+    return [
+        o.network_policy(
+            run, trainer_name(name), TRAINER, trainers, ingress=[{"from": [o.pods_of(trainers)]}]
+        )
+    ]
+
+
 def rbac(run: Mapping[str, Any]) -> list[o.Obj]:
     return [service_account(run), role(run), role_binding(run)]

@@ -52,6 +52,7 @@ CHILDREN = [
     ("", "v1", "pods"),
     ("", "v1", "services"),
     ("", "v1", "configmaps"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
 ]
 MANAGED_SELECTOR = f"{o.LABEL_MANAGED_BY}={o.MANAGED_BY}"
 # Children's events (and a fleet's or pool's for its runs) wait this long, so that a burst

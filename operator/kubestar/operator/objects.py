@@ -125,6 +125,55 @@ def restricted_container_security(read_only_root: bool = True) -> Obj:
     }
 
 
+def network_policy(
+    parent: Mapping[str, Any],
+    name: str,
+    component: str,
+    pods: Mapping[str, str],
+    ingress: list[Obj],
+    egress: list[Obj] | None = None,
+) -> Obj:
+    """A NetworkPolicy for `pods` (labels): only `ingress` reaches them, and with `egress`
+    (an empty list: nothing) they reach only that. Policies add up: an admin's own (a
+    monitoring namespace scraping metrics, say) widen what these allow."""
+    spec: Obj = {
+        "podSelector": {"matchLabels": dict(pods)},
+        "policyTypes": ["Ingress", *(["Egress"] if egress is not None else [])],
+        "ingress": ingress,
+    }
+    if egress is not None:
+        spec["egress"] = egress
+    return with_hash(
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": metadata(parent, name, component),
+            "spec": spec,
+        }
+    )
+
+
+def pods_of(labels: Mapping[str, str]) -> Obj:
+    """A NetworkPolicy peer: pods of this namespace with these labels."""
+    return {"podSelector": {"matchLabels": dict(labels)}}
+
+
+def trainer_pods() -> Obj:
+    """A NetworkPolicy peer: the trainer pods of every TrainingRun of this namespace (a run
+    names its fleet and pool, so any run here may use them)."""
+    return pods_of({LABEL_NAME: "kubestar", LABEL_COMPONENT: "trainer"})
+
+
+def tcp_ports(*ports: int | str) -> list[Obj]:
+    return [{"protocol": "TCP", "port": port} for port in ports]
+
+
+# Name lookups: pods that dial children by DNS name (the sandbox dispatcher its workers).
+DNS_EGRESS: Obj = {
+    "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
+}
+
+
 def listen_address(host: str, port: int) -> str:
     """HOST:PORT for a server's listen flag ([HOST]:PORT for an IPv6 address)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -145,6 +145,18 @@ class Policy(_Settings):
         return None
 
 
+class NetworkPolicies(_Settings):
+    """NetworkPolicies the operator makes beside each resource's pods (see
+    kubestar.operator.objects.network_policy). Not made with network.hostNetwork: a policy
+    does not apply to pods on the host's network."""
+
+    enabled: bool = True
+    # The operator's own namespace: its pods may reach the fleets' schedulers (it reads
+    # their engines' KV capacity). Selected by the kubernetes.io/metadata.name label, which
+    # Kubernetes 1.21+ sets on every namespace.
+    operator_namespace: str = ""
+
+
 class OperatorSettings(_Settings):
     # A RolloutFleet that does not say spec.accelerator gets this one.
     default_accelerator: Literal["amd", "nvidia", "cpu"] = "cpu"
@@ -154,6 +166,7 @@ class OperatorSettings(_Settings):
     sandbox: SandboxDefaults = Field(default_factory=SandboxDefaults)
     trainer: TrainerDefaults = Field(default_factory=TrainerDefaults)
     policy: Policy = Field(default_factory=Policy)
+    network_policies: NetworkPolicies = Field(default_factory=NetworkPolicies)
     # Namespaces to watch; empty: all (cluster-wide).
     namespaces: list[str] = Field(default_factory=list)
     # Every resource is reconciled at least this often (children are also watched).

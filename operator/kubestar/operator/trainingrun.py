@@ -363,7 +363,14 @@ async def reconcile(ctx: Context, run: dict[str, Any]) -> None:
         spec_problem = (Reason.INVALID_SPEC, problem)
 
     try:
-        await ctx.apply_all(run, [build_trainer.config_map(run, spec), *build_trainer.rbac(run)])
+        await ctx.apply_all(
+            run,
+            [
+                build_trainer.config_map(run, spec),
+                *build_trainer.rbac(run),
+                *build_trainer.network_policies(run, settings),
+            ],
+        )
     except ChildConflict as error:
         spec_problem = (Reason.CHILD_CONFLICT, str(error))
 

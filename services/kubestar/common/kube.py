@@ -44,6 +44,7 @@ PLURALS: dict[str, str] = {
     "Job": "jobs",
     "Role": "roles",
     "RoleBinding": "rolebindings",
+    "NetworkPolicy": "networkpolicies",
     "ClusterRole": "clusterroles",
     "ClusterRoleBinding": "clusterrolebindings",
     "Lease": "leases",
