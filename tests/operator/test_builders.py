@@ -88,6 +88,9 @@ def test_sandbox_pods_are_locked_down() -> None:
         "add": ["SYS_ADMIN", "SETUID", "SETGID", "KILL", "CHOWN", "DAC_OVERRIDE"],
     }
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    # The node's disk they may fill is bounded.
+    assert pod["volumes"] == [{"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}]
+    assert worker["resources"]["limits"]["ephemeral-storage"] == "2Gi"
     assert worker["command"][:3] == ["kubestar", "sandbox", "serve"]
     assert worker["command"][worker["command"].index("--executors") + 1] == "8"
     assert "hostNetwork" not in pod
@@ -466,12 +469,22 @@ def test_shared_checkpoints_reach_the_engines() -> None:
     assert volumes["checkpoints"]["hostPath"] == {"path": "/srv/kubestar", "type": "Directory"}
     (trainer,) = pod["containers"]
     mounts = {m["name"]: m for m in trainer["volumeMounts"]}
-    assert mounts["checkpoints"]["mountPath"] == "/var/lib/kubestar/checkpoints"
     env = trainer_contract.TrainerEnvironment.from_env(
         {e["name"]: e["value"] for e in trainer["env"]}
     )
-    # A folder per run on the shared volume, below the path the engines mount it at.
+    # A folder per run on the shared volume, below the path the engines mount it at; the
+    # trainer mounts only that folder (subPath), so it cannot reach another run's.
     assert env.checkpoint_dir == "/var/lib/kubestar/checkpoints/team/tiny-cpu"
+    assert mounts["checkpoints"] == {
+        "name": "checkpoints",
+        "mountPath": "/var/lib/kubestar/checkpoints/team/tiny-cpu",
+        "subPath": "team/tiny-cpu",
+    }
+    other = dict(body, metadata={**body["metadata"], "name": "other"})
+    other_job = build_trainer.job(other, spec, fleet_spec, pool_spec, settings)
+    (other_trainer,) = other_job["spec"]["template"]["spec"]["containers"]
+    other_mounts = {m["name"]: m for m in other_trainer["volumeMounts"]}
+    assert other_mounts["checkpoints"]["subPath"] == "team/other"
     engine_pod = build_fleet.engine_deployment(fleet, fleet_spec, settings)["spec"]["template"][
         "spec"
     ]
@@ -552,3 +565,102 @@ def test_trainer_pods_are_retried_only_where_checkpoints_outlive_them() -> None:
     newer = build_trainer.job(body, claimed, fleet, pool, settings, server_version=(1, 29))
     (rule,) = newer["spec"]["podFailurePolicy"]["rules"]
     assert rule == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}
+
+
+RESTRICTED_VOLUMES = {
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+}
+
+
+def restricted_violations(pod: dict[str, Any]) -> list[str]:
+    """What in a pod spec the Pod Security Standard "restricted" refuses (its checks as
+    of Kubernetes 1.30, less those on fields the operator never sets)."""
+    found: list[str] = []
+    security = pod.get("securityContext") or {}
+    if pod.get("hostNetwork") or pod.get("hostPID") or pod.get("hostIPC"):
+        found.append("host namespaces")
+    for volume in pod.get("volumes") or []:
+        kinds = set(volume) - {"name"}
+        if not kinds <= RESTRICTED_VOLUMES:
+            found.append(f"volume {volume['name']}: {sorted(kinds)}")
+    for container in pod["containers"]:
+        own = container.get("securityContext") or {}
+        name = container["name"]
+        if not own.get("runAsNonRoot", security.get("runAsNonRoot")):
+            found.append(f"{name}: runAsNonRoot")
+        if own.get("runAsUser", security.get("runAsUser")) == 0:
+            found.append(f"{name}: runAsUser 0")
+        if own.get("allowPrivilegeEscalation") is not False:
+            found.append(f"{name}: allowPrivilegeEscalation")
+        capabilities = own.get("capabilities") or {}
+        if "ALL" not in (capabilities.get("drop") or []):
+            found.append(f"{name}: capabilities not dropped")
+        if set(capabilities.get("add") or []) - {"NET_BIND_SERVICE"}:
+            found.append(f"{name}: capabilities added")
+        profile = own.get("seccompProfile") or security.get("seccompProfile") or {}
+        if profile.get("type") not in ("RuntimeDefault", "Localhost"):
+            found.append(f"{name}: seccompProfile")
+    return found
+
+
+def pod_of(obj: dict[str, Any]) -> dict[str, Any]:
+    spec = obj["spec"]
+    return dict((spec.get("jobTemplate", {}).get("spec") or spec)["template"]["spec"])
+
+
+@pytest.mark.parametrize("accelerator", ["cpu", "nvidia", "amd"])
+def test_every_pod_meets_the_restricted_pod_security_standard(accelerator: str) -> None:
+    """Every pod the operator makes but one: a sandbox worker that isolates its calls by
+    capabilities (the chart's default) runs as root with them (see docs/security.md)."""
+    settings = OperatorSettings()
+    pool_spec = SandboxPoolSpec()
+    fleet_spec = RolloutFleetSpec.model_validate({"accelerator": accelerator})
+    run = parent("TrainingRun", "run")
+    run_spec = TrainingRunSpec.model_validate(
+        {
+            "rolloutFleetRef": {"name": "fleet"},
+            "sandboxPoolRef": {"name": "pool"},
+            "trainer": {"workers": 2},
+            "checkpoint": {"pvcClaimName": "ckpt"},
+            "stages": [
+                {
+                    "name": "s",
+                    "steps": 1,
+                    "maxResponseTokens": 64,
+                    "dataset": {"generator": "basic_arithmetic"},
+                }
+            ],
+        }
+    )
+    children = [
+        *build_sandbox.children(parent("SandboxPool", "pool"), pool_spec, settings),
+        *build_fleet.children(parent("RolloutFleet", "fleet"), fleet_spec, settings),
+        *build_trainer.jobs(run, run_spec, fleet_spec, pool_spec, settings),
+    ]
+    pods = {
+        child["metadata"]["name"]: pod_of(child)
+        for child in children
+        if child["kind"] in ("Deployment", "StatefulSet", "Job")
+    }
+    assert len(pods) == 6, sorted(pods)
+    violations = {name: restricted_violations(pod) for name, pod in pods.items()}
+    assert violations.pop("pool-sandbox-worker") == [
+        "worker: runAsNonRoot",
+        "worker: runAsUser 0",
+        "worker: capabilities added",
+    ]
+    assert not any(violations.values()), violations
+    by_user_namespace = OperatorSettings.model_validate(
+        {"sandbox": {"isolationMechanism": "UserNamespace"}}
+    )
+    workers = build_sandbox.worker_statefulset(
+        parent("SandboxPool", "p"), pool_spec, by_user_namespace
+    )
+    assert restricted_violations(pod_of(workers)) == []

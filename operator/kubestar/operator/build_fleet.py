@@ -112,9 +112,10 @@ def engine_env(spec: RolloutFleetSpec) -> dict[str, str]:
         "DO_NOT_TRACK": "1",
         "VLLM_LOGGING_LEVEL": "WARNING",
     }
+    # Engines run as a non-root uid: caches (compile, kernels) go to the writable /tmp.
+    env["HOME"] = "/tmp"
     if spec.accelerator == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-        env["HOME"] = "/tmp"
         # The engine runs eagerly (--enforce-eager), but vLLM's sampler still torch.compiles
         # a helper the first time logprobs are asked for, which needs a C++ compiler in the
         # image (a slim engine image has none: the engine died on the first rollout).
@@ -181,12 +182,16 @@ def engine_deployment(
             "timeoutSeconds": 10,
             "failureThreshold": 5,
         },
-        "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}],
+        "volumeMounts": [
+            {"name": "shm", "mountPath": "/dev/shm"},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        "securityContext": o.restricted_container_security(read_only_root=False),
     }
-    volumes: list[o.Obj] = [{"name": "shm", "emptyDir": {"medium": "Memory"}}]
-    if spec.accelerator == "cpu":
-        container["volumeMounts"].append({"name": "tmp", "mountPath": "/tmp"})
-        volumes.append({"name": "tmp", "emptyDir": {}})
+    volumes: list[o.Obj] = [
+        {"name": "shm", "emptyDir": {"medium": "Memory"}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
     if spec.model.pvc_claim_name:
         container["volumeMounts"].append(
             {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
@@ -214,9 +219,21 @@ def engine_deployment(
         volumes.append(shared.volume("checkpoints", read_only=True))
     if settings.network.host_network:
         container["ports"][0]["hostPort"] = port
+    # Pod Security Standard "restricted". The trainers' uid: engines read the weights the
+    # trainers write. GPU images that expect root need their devices readable by it (the
+    # NVIDIA runtime does that; ROCm's /dev/kfd and /dev/dri want the video and render
+    # groups: supplementalGroups by a policy of the cluster's).
+    uid = settings.trainer.run_as_user
     pod: o.Obj = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": uid,
+            "runAsGroup": uid,
+            "fsGroup": uid,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "containers": [container],
         "volumes": volumes,
         "terminationGracePeriodSeconds": 30,
@@ -345,7 +362,12 @@ def scheduler_deployment(
     pod: o.Obj = {
         "serviceAccountName": scheduler_name(name),
         "enableServiceLinks": False,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532},
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 65532,
+            "runAsGroup": 65532,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "containers": [container],
         "volumes": [{"name": "tmp", "emptyDir": {}}],
     }

@@ -30,6 +30,12 @@ DISPATCHER = "sandbox-dispatcher"
 # Where a sandbox server writes why it could not start; Kubernetes' default path, named in
 # the container so that the server's --termination-log and the kubelet agree.
 TERMINATION_LOG = "/dev/termination-log"
+# The pod's writable /tmp (the node's disk): past it the kubelet evicts the pod. Isolated
+# calls write to tmpfs of their own instead (memory, see kubestar.sandbox.isolation).
+TMP_SIZE = "1Gi"
+# The most of the node's disk a sandbox container may fill (its /tmp, its logs) when the
+# pool's resources do not say.
+EPHEMERAL_STORAGE_LIMIT = "2Gi"
 
 
 def worker_name(pool: str) -> str:
@@ -92,7 +98,7 @@ def _pod_spec(spec: SandboxPoolSpec, settings: OperatorSettings, container: o.Ob
         "enableServiceLinks": False,
         "securityContext": _pod_security(settings),
         "containers": [container],
-        "volumes": [{"name": "tmp", "emptyDir": {}}],
+        "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}}],
         "terminationGracePeriodSeconds": 45,
     }
     runtime_class = spec.runtime_class_name or settings.sandbox.runtime_class_name
@@ -164,7 +170,8 @@ def worker_statefulset(
         args.append("--no-isolation")
     container = _container("worker", spec, settings, args, port, metrics)
     container["securityContext"] = _worker_security(spec, settings)
-    container["resources"] = o.resources(spec.resources.requests, spec.resources.limits)
+    limits = {"ephemeral-storage": EPHEMERAL_STORAGE_LIMIT, **spec.resources.limits}
+    container["resources"] = o.resources(spec.resources.requests, limits)
     selector = o.selector_labels("SandboxPool", name, WORKER)
     return o.with_hash(
         {
@@ -228,7 +235,10 @@ def dispatcher_deployment(
         bind,
     ]
     container = _container("dispatcher", spec, settings, args, spec.port, metrics)
-    container["resources"] = {"requests": {"cpu": "100m", "memory": "128Mi"}}
+    container["resources"] = {
+        "requests": {"cpu": "100m", "memory": "128Mi"},
+        "limits": {"ephemeral-storage": EPHEMERAL_STORAGE_LIMIT},
+    }
     selector = o.selector_labels("SandboxPool", name, DISPATCHER)
     return o.with_hash(
         {

@@ -221,8 +221,12 @@ def _pod_spec(
     command: list[str],
 ) -> o.Obj:
     name = run["metadata"]["name"]
+    subpath = ""
     if shares_checkpoints(spec, settings):
-        mount_path = settings.trainer.checkpoint_dir
+        # Only this run's folder of the shared volume, at the path the engines see it by:
+        # a run can neither read nor overwrite another's checkpoints or weights.
+        mount_path = env[c.ENV_CHECKPOINT_DIR]
+        subpath = mount_path.removeprefix(settings.trainer.checkpoint_dir.rstrip("/") + "/")
         checkpoints: o.Obj = settings.trainer.shared_checkpoints.volume("checkpoints")
     else:
         mount_path = env[c.ENV_CHECKPOINT_DIR]
@@ -243,7 +247,11 @@ def _pod_spec(
         "resources": o.resources(spec.trainer.resources.requests, spec.trainer.resources.limits),
         "volumeMounts": [
             {"name": "config", "mountPath": c.CONFIG_DIR, "readOnly": True},
-            {"name": "checkpoints", "mountPath": mount_path},
+            {
+                "name": "checkpoints",
+                "mountPath": mount_path,
+                **({"subPath": subpath} if subpath else {}),
+            },
             {"name": "tmp", "mountPath": "/tmp"},
             {"name": "shm", "mountPath": "/dev/shm"},
         ],
@@ -257,7 +265,12 @@ def _pod_spec(
     pod: o.Obj = {
         "serviceAccountName": trainer_name(name),
         "enableServiceLinks": False,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": uid, "fsGroup": uid},
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": uid,
+            "fsGroup": uid,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "containers": [container],
         "volumes": [
             {"name": "config", "configMap": {"name": config_name(name)}},
