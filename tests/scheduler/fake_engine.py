@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 
 @dataclass(eq=False)
@@ -51,6 +52,10 @@ class FakeEngine:
     reloads: list[str] = field(default_factory=list)
     paused: bool = False
     port: int = 0
+    # Set: like an engine behind kubestar.engine.auth_middleware, every path but /health and
+    # /metrics answers 401 without `Authorization: Bearer TOKEN`.
+    token: str = ""
+    refused: int = 0
     running: list[_Running] = field(default_factory=list)
     down: bool = False
     _runner: web.AppRunner | None = None
@@ -66,7 +71,7 @@ class FakeEngine:
 
     async def start(self, port: int = 0) -> FakeEngine:
         self.down = False
-        app = web.Application()
+        app = web.Application(middlewares=[self._authenticate])
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/health", self._health)
@@ -84,6 +89,15 @@ class FakeEngine:
         await site.start()
         self.port = self._runner.addresses[0][1]
         return self
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        open_path = request.path in ("/health", "/metrics")
+        authorized = request.headers.get("Authorization") == f"Bearer {self.token}"
+        if self.token and not open_path and not authorized:
+            self.refused += 1
+            return web.json_response({"error": "unauthorized"}, status=401)
+        return await handler(request)
 
     def kill(self) -> None:
         """Drop every open connection now; requests that still arrive are dropped too."""

@@ -9,6 +9,8 @@ import sys
 import time
 
 import click
+from kubestar.cli.options import auth_token_file_option
+from kubestar.common.auth import ENV_TOKEN_FILE, read_token_file
 from kubestar.engine.launch import EngineProcess, EngineSettings
 
 
@@ -40,6 +42,10 @@ def engine() -> None:
     help="Exit with an error when vLLM is not serving after this many seconds (0: wait; in "
     "a pod the kubelet's startup probe decides).",
 )
+@auth_token_file_option(
+    "A file holding the installation's bearer token: every request but /health, /ping and "
+    f"/metrics must then carry it [env: {ENV_TOKEN_FILE}; neither: no authentication]."
+)
 @click.option("--print-command", is_flag=True, help="Print the vLLM command and exit.")
 @click.argument("extra_args", nargs=-1, type=click.UNPROCESSED)
 def serve(
@@ -53,11 +59,15 @@ def serve(
     device: str,
     max_num_seqs: int,
     ready_timeout: float,
+    auth_token_file: str | None,
     print_command: bool,
     extra_args: tuple[str, ...],
 ) -> None:
     """Serve one engine until interrupted. Arguments after -- go to vLLM unchanged."""
     from kubestar.engine.models import resolve_model
+
+    if auth_token_file:
+        read_token_file(auth_token_file)  # a file vLLM cannot use fails here, in one line
 
     settings = EngineSettings(
         model=str(resolve_model(model)),
@@ -70,6 +80,7 @@ def serve(
         device=device,
         max_num_seqs=max_num_seqs,
         extra_args=list(extra_args),
+        auth_token_file=auth_token_file or "",
     )
     if print_command:
         click.echo(" ".join(settings.command()))

@@ -9,7 +9,9 @@ from typing import TextIO
 
 import click
 from kubestar.cli.errors import describe
+from kubestar.cli.options import auth_token_file_option
 from kubestar.common import logs
+from kubestar.common.auth import load_token
 from kubestar.sandbox.client import Call, SandboxClient, result_to_dict
 from kubestar.sandbox.executor import DEFAULT_WARMUP, ExecutorConfig
 from kubestar.sandbox.metrics import status_label
@@ -92,6 +94,7 @@ def sandbox() -> None:
     help="Write why the server could not start, in one line, to this file (Kubernetes "
     "shows it in the pod's status: the container's terminationMessagePath).",
 )
+@auth_token_file_option()
 @click.option("--log-level", default="info", show_default=True)
 def serve_command(
     listen: str,
@@ -108,6 +111,7 @@ def serve_command(
     uid_base: int,
     drain_seconds: float,
     termination_log: str | None,
+    auth_token_file: str | None,
     log_level: str,
 ) -> None:
     """Serve the sandbox: a worker (default) or, with --worker, a dispatcher."""
@@ -134,6 +138,7 @@ def serve_command(
         drain_seconds=drain_seconds,
     )
     try:
+        config.auth_token = load_token(auth_token_file)
         asyncio.run(serve(config))
     except Exception as error:
         if termination_log:

@@ -9,7 +9,9 @@ from typing import Any, TypeVar
 
 import click
 from google.protobuf.json_format import MessageToDict
+from kubestar.cli.options import auth_token_file_option
 from kubestar.common import logs
+from kubestar.common.auth import load_token
 from kubestar.scheduler.client import SchedulerClient
 from kubestar.scheduler.config import SchedulerConfig
 from kubestar.scheduler.core import POLICIES
@@ -91,6 +93,7 @@ def scheduler() -> None:
     show_default=True,
     help="On SIGTERM, how long queued and running turns may finish.",
 )
+@auth_token_file_option()
 @click.option("--log-level", default="info", show_default=True)
 def serve_command(
     listen: str,
@@ -108,10 +111,16 @@ def serve_command(
     metrics_port: int,
     metrics_address: str,
     drain_seconds: float,
+    auth_token_file: str | None,
     log_level: str,
 ) -> None:
-    """Serve the scheduler for a fleet of engines (static list and/or Kubernetes pods)."""
+    """Serve the scheduler for a fleet of engines (static list and/or Kubernetes pods).
+
+    With a token (--auth-token-file) its callers must send it, and it sends it to the
+    engines (`kubestar engine serve --auth-token-file`): one token per installation.
+    """
     logs.configure(log_level)
+    token = load_token(auth_token_file)
     config = ServerConfig(
         listen=listen,
         engines=[parse_engine(e) for e in engines],
@@ -122,6 +131,7 @@ def serve_command(
             segment_tokens=segment_tokens,
             max_attempts=max_attempts,
             request_timeout=request_timeout,
+            engine_token=token,
         ),
         discovery=DiscoveryConfig(k8s_selector, k8s_namespace, k8s_port, k8s_interval)
         if k8s_selector
@@ -129,6 +139,7 @@ def serve_command(
         metrics_port=metrics_port,
         metrics_address=metrics_address,
         drain_seconds=drain_seconds,
+        auth_token=token,
     )
     asyncio.run(serve(config))
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from kubestar.common.auth import HEADER, client_token, header_value
 from kubestar.engine.launch import SERVED_MODEL_NAME
 
 
@@ -39,16 +40,24 @@ class Completion:
 
 
 class EngineClient:
-    def __init__(self, url: str, timeout: float = 600.0) -> None:
+    """`token`: the installation's bearer token, sent with every request (the engine's
+    kubestar.engine.auth_middleware requires it); None takes it from the environment
+    (KUBESTAR_AUTH_TOKEN_FILE, KUBESTAR_AUTH_TOKEN), "" sends none."""
+
+    def __init__(self, url: str, timeout: float = 600.0, token: str | None = None) -> None:
         self.url = url.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None
+        token = client_token(token)
+        self._headers = {HEADER: header_value(token)} if token else {}
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             # One pooled session per engine; unlimited connections (the scheduler limits).
             self._session = aiohttp.ClientSession(
-                timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0)
+                timeout=self._timeout,
+                connector=aiohttp.TCPConnector(limit=0),
+                headers=self._headers,
             )
         return self._session
 

@@ -11,6 +11,10 @@ The python that runs vLLM defaults to this one; `KUBESTAR_ENGINE_PYTHON` or
 (`os.sched_setaffinity` in the child before exec), and on CPU vLLM binds its OpenMP threads
 to the same CPUs (`VLLM_CPU_OMP_THREADS_BIND`, one thread per listed CPU). Several engines on
 one machine then behave like separate accelerators; without it they share every core.
+
+`EngineSettings.auth_token_file` makes the server require the installation's bearer token on
+every path but /health, /ping and /metrics (kubestar.engine.auth_middleware, given to vLLM
+as `--middleware`; vLLM's own --api-key guards only /v1, not the development endpoints).
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from pathlib import Path
 from typing import IO
 
 SERVED_MODEL_NAME = "policy"
+# The ASGI middleware that requires the token (an import path vLLM's --middleware takes).
+AUTH_MIDDLEWARE = "kubestar.engine.auth_middleware.BearerTokenMiddleware"
+AUTH_TOKEN_FILE_ENV = "KUBESTAR_AUTH_TOKEN_FILE"
 PR_SET_PDEATHSIG = 1
 
 
@@ -95,6 +102,11 @@ class EngineSettings:
     python: str = ""
     # CPUs the engine is confined to (Linux list syntax, "" = all); see the module docstring.
     cpus: str = ""
+    # A file holding the installation's bearer token: every request but health and metrics
+    # must carry it ("" : none required). `auth_middleware` is where vLLM imports the check
+    # from (another module path where the image lacks kubestar).
+    auth_token_file: str = ""
+    auth_middleware: str = AUTH_MIDDLEWARE
 
     def __post_init__(self) -> None:
         if self.cpus:
@@ -134,6 +146,8 @@ class EngineSettings:
             args.append("--enforce-eager")
         else:
             args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        if self.auth_token_file:
+            args += ["--middleware", self.auth_middleware]
         return args + self.extra_args
 
     def environment(self) -> dict[str, str]:
@@ -143,6 +157,10 @@ class EngineSettings:
         env["HF_HUB_OFFLINE"] = "1"
         env["VLLM_NO_USAGE_STATS"] = "1"
         env["DO_NOT_TRACK"] = "1"
+        if self.auth_token_file:
+            # The middleware reads the token from the file this names (vLLM constructs it
+            # with the app alone).
+            env[AUTH_TOKEN_FILE_ENV] = self.auth_token_file
         if self.device == "cpu":
             if not self.kv_cache_bytes:  # vLLM-CPU lets this override --kv-cache-memory-bytes
                 env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
+from kubestar.common.auth import call_metadata, client_token
 from kubestar.sandbox.limits import MAX_MESSAGE_BYTES, message_options
 from kubestar.sandbox.metrics import status_label
 from kubestar.v1 import sandbox_pb2 as pb
@@ -63,11 +64,16 @@ class SandboxClient:
     """Blocking and async access to a sandbox endpoint (dispatcher or worker).
 
     Ids are filled in when a call has none; results of `execute_batch` are in call order.
+    `token`: the installation's bearer token (kubestar.common.auth); None takes it from the
+    environment (KUBESTAR_AUTH_TOKEN_FILE, KUBESTAR_AUTH_TOKEN), "" sends none.
     """
 
-    def __init__(self, endpoint: str, timeout: float | None = None) -> None:
+    def __init__(
+        self, endpoint: str, timeout: float | None = None, token: str | None = None
+    ) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
+        self._metadata = call_metadata(client_token(token))
         self._ids = itertools.count()
         self._channel = grpc.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.SandboxServiceStub(self._channel)
@@ -79,19 +85,23 @@ class SandboxClient:
 
     def execute(self, call: Call | str) -> pb.ExecutionResult:
         request = pb.ExecuteRequest(execution=_to_execution(call, self._next_id()))
-        response: pb.ExecuteResponse = self._stub.Execute(request, timeout=self.timeout)
+        response: pb.ExecuteResponse = self._stub.Execute(
+            request, timeout=self.timeout, metadata=self._metadata
+        )
         return response.result
 
     def execute_batch(self, calls: Sequence[Call | str]) -> list[pb.ExecutionResult]:
         request = pb.ExecuteBatchRequest(
             executions=[_to_execution(call, self._next_id()) for call in calls]
         )
-        response: pb.ExecuteBatchResponse = self._stub.ExecuteBatch(request, timeout=self.timeout)
+        response: pb.ExecuteBatchResponse = self._stub.ExecuteBatch(
+            request, timeout=self.timeout, metadata=self._metadata
+        )
         return list(response.results)
 
     def capacity(self) -> pb.GetCapacityResponse:
         response: pb.GetCapacityResponse = self._stub.GetCapacity(
-            pb.GetCapacityRequest(), timeout=self.timeout
+            pb.GetCapacityRequest(), timeout=self.timeout, metadata=self._metadata
         )
         return response
 
@@ -104,14 +114,18 @@ class SandboxClient:
 
     async def aexecute(self, call: Call | str) -> pb.ExecutionResult:
         request = pb.ExecuteRequest(execution=_to_execution(call, self._next_id()))
-        response: pb.ExecuteResponse = await self._aio_stub().Execute(request, timeout=self.timeout)
+        response: pb.ExecuteResponse = await self._aio_stub().Execute(
+            request, timeout=self.timeout, metadata=self._metadata
+        )
         return response.result
 
     async def aexecute_batch(self, calls: Sequence[Call | str]) -> list[pb.ExecutionResult]:
         request = pb.ExecuteBatchRequest(
             executions=[_to_execution(call, self._next_id()) for call in calls]
         )
-        response = await self._aio_stub().ExecuteBatch(request, timeout=self.timeout)
+        response = await self._aio_stub().ExecuteBatch(
+            request, timeout=self.timeout, metadata=self._metadata
+        )
         return list(response.results)
 
     async def aexecute_stream(self, calls: Sequence[Call | str]) -> list[pb.ExecutionResult]:
@@ -123,7 +137,9 @@ class SandboxClient:
                 yield pb.ExecuteStreamRequest(execution=execution)
 
         by_id: dict[str, pb.ExecutionResult] = {}
-        async for response in self._aio_stub().ExecuteStream(requests(), timeout=self.timeout):
+        async for response in self._aio_stub().ExecuteStream(
+            requests(), timeout=self.timeout, metadata=self._metadata
+        ):
             by_id[response.result.id] = response.result
         return [by_id[execution.id] for execution in executions]
 

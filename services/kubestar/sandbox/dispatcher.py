@@ -14,6 +14,7 @@ import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kubestar.common.auth import call_metadata
 from kubestar.sandbox import metrics
 from kubestar.sandbox.backend import Backend, make_result, validate
 from kubestar.sandbox.limits import LimitPolicy, message_options
@@ -36,12 +37,18 @@ class WorkerLink:
     """One worker: its capacity, the calls it runs now, and the stream they travel on."""
 
     def __init__(
-        self, endpoint: str, on_change: asyncio.Condition, policy: LimitPolicy | None = None
+        self,
+        endpoint: str,
+        on_change: asyncio.Condition,
+        policy: LimitPolicy | None = None,
+        auth_token: str = "",
     ) -> None:
         self.endpoint = endpoint
         # Large enough for the largest result the policy allows: a result over gRPC's default
         # 4 MiB would break the stream, and with it every call running on the worker.
         self._channel_options = message_options(policy)
+        self._metadata = call_metadata(auth_token)
+        self._refused = False
         self.capacity = 0
         self.in_flight = 0
         self.ready = False
@@ -86,11 +93,24 @@ class WorkerLink:
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # any transport failure: the worker is gone for now
-                if self.ready:
+                refused = (
+                    error.details()
+                    if isinstance(error, grpc.aio.AioRpcError)
+                    and error.code() == grpc.StatusCode.UNAUTHENTICATED
+                    else None
+                )
+                if refused is not None and not self._refused:
+                    # Said once, not every reconnect: the tokens differ until a restart.
+                    log.warning(
+                        "sandbox worker refused the dispatcher's token",
+                        extra={"fields": {"endpoint": self.endpoint, "error": refused}},
+                    )
+                elif self.ready:
                     log.warning(
                         "sandbox worker lost",
                         extra={"fields": {"endpoint": self.endpoint, "error": repr(error)}},
                     )
+                self._refused = refused is not None
             await self._set_ready(False)
             lost = WorkerLost(f"worker {self.endpoint} went away")
             for future in self._pending.values():
@@ -104,9 +124,9 @@ class WorkerLink:
         ) as channel:
             stub = pb_grpc.SandboxServiceStub(channel)
             capacity = await stub.GetCapacity(
-                pb.GetCapacityRequest(), timeout=CONNECT_TIMEOUT_SECONDS
+                pb.GetCapacityRequest(), timeout=CONNECT_TIMEOUT_SECONDS, metadata=self._metadata
             )
-            stream = stub.ExecuteStream()
+            stream = stub.ExecuteStream(metadata=self._metadata)
             self.capacity = capacity.capacity
             # Calls queued for a previous session were failed and retried already.
             self._outbox = asyncio.Queue()
@@ -163,12 +183,18 @@ class WorkerLink:
 
 class WorkerDispatcher(Backend):
     def __init__(
-        self, endpoints: list[str], policy: LimitPolicy | None = None, queue_timeout: float = 30.0
+        self,
+        endpoints: list[str],
+        policy: LimitPolicy | None = None,
+        queue_timeout: float = 30.0,
+        auth_token: str = "",
     ) -> None:
         self.policy = policy or LimitPolicy()
         self.queue_timeout = queue_timeout
         self._changed = asyncio.Condition()
-        self.links = [WorkerLink(endpoint, self._changed, self.policy) for endpoint in endpoints]
+        self.links = [
+            WorkerLink(endpoint, self._changed, self.policy, auth_token) for endpoint in endpoints
+        ]
         self._queued = 0
         self._draining = False
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from kubestar.common.auth import server_interceptors
 from kubestar.common.bounds import ServiceBounds
 from kubestar.common.net import check_can_listen, start_metrics_server
 from kubestar.sandbox.backend import Backend
@@ -37,11 +38,16 @@ class ServerConfig:
     metrics_address: str = "127.0.0.1"
     drain_seconds: float = 30.0
     bounds: ServiceBounds = field(default_factory=ServiceBounds)
+    # The installation's token (kubestar.common.auth): every call but health checks must
+    # carry it, and a dispatcher sends it to its workers. "": no authentication.
+    auth_token: str = field(default="", repr=False)
 
 
 def build_backend(config: ServerConfig) -> Backend:
     if config.workers:
-        return WorkerDispatcher(config.workers, config.executor.policy, config.queue_timeout)
+        return WorkerDispatcher(
+            config.workers, config.executor.policy, config.queue_timeout, config.auth_token
+        )
     return ExecutorPool(config.executors, config.executor, config.queue_timeout)
 
 
@@ -59,6 +65,7 @@ class SandboxServer:
                 ("grpc.so_reuseport", 0),
             ],
             maximum_concurrent_rpcs=bounds.max_concurrent_rpcs,
+            interceptors=server_interceptors(config.auth_token),
         )
         self.health = health.aio.HealthServicer()
         self.port = 0
@@ -90,6 +97,7 @@ class SandboxServer:
                     "workers": self.config.workers,
                     "executors": self.config.executors,
                     "metrics_port": self.config.metrics_port,
+                    "authentication": bool(self.config.auth_token),
                 }
             },
         )

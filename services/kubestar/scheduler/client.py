@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
+from kubestar.common.auth import call_metadata, client_token
 from kubestar.v1 import rollout_pb2 as pb
 from kubestar.v1 import rollout_pb2_grpc as pb_grpc
 
@@ -35,11 +36,16 @@ class SchedulerClient:
     """One channel to a scheduler; create and use it inside one event loop.
 
     `timeout` (seconds) bounds each call except `update_weights` (its own `timeout`).
+    `token`: the installation's bearer token (kubestar.common.auth); None takes it from the
+    environment (KUBESTAR_AUTH_TOKEN_FILE, KUBESTAR_AUTH_TOKEN), "" sends none.
     """
 
-    def __init__(self, endpoint: str, timeout: float | None = None) -> None:
+    def __init__(
+        self, endpoint: str, timeout: float | None = None, token: str | None = None
+    ) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
+        self._metadata = call_metadata(client_token(token))
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.RolloutSchedulerServiceStub | None = None
 
@@ -63,17 +69,21 @@ class SchedulerClient:
             max_new_tokens=max_new_tokens,
             sampling=sampling_params(sampling),
         )
-        response: pb.GenerateResponse = await self.stub.Generate(request, timeout=self.timeout)
+        response: pb.GenerateResponse = await self.stub.Generate(
+            request, timeout=self.timeout, metadata=self._metadata
+        )
         return response
 
     async def end_trajectory(self, trajectory_id: str) -> None:
         await self.stub.EndTrajectory(
-            pb.EndTrajectoryRequest(trajectory_id=trajectory_id), timeout=self.timeout
+            pb.EndTrajectoryRequest(trajectory_id=trajectory_id),
+            timeout=self.timeout,
+            metadata=self._metadata,
         )
 
     async def status(self) -> pb.GetSchedulerStatusResponse:
         response: pb.GetSchedulerStatusResponse = await self.stub.GetSchedulerStatus(
-            pb.GetSchedulerStatusRequest(), timeout=self.timeout
+            pb.GetSchedulerStatusRequest(), timeout=self.timeout, metadata=self._metadata
         )
         return response
 
@@ -82,15 +92,21 @@ class SchedulerClient:
     ) -> pb.UpdateWeightsResponse:
         """Every engine loads the weights in `weights_path`; no `version` means "next"."""
         response: pb.UpdateWeightsResponse = await self.stub.UpdateWeights(
-            pb.UpdateWeightsRequest(weights_path=weights_path, version=version), timeout=timeout
+            pb.UpdateWeightsRequest(weights_path=weights_path, version=version),
+            timeout=timeout,
+            metadata=self._metadata,
         )
         return response
 
     async def add_engine(self, name: str, url: str) -> None:
-        await self.stub.AddEngine(pb.AddEngineRequest(name=name, url=url), timeout=self.timeout)
+        await self.stub.AddEngine(
+            pb.AddEngineRequest(name=name, url=url), timeout=self.timeout, metadata=self._metadata
+        )
 
     async def remove_engine(self, name: str) -> None:
-        await self.stub.RemoveEngine(pb.RemoveEngineRequest(name=name), timeout=self.timeout)
+        await self.stub.RemoveEngine(
+            pb.RemoveEngineRequest(name=name), timeout=self.timeout, metadata=self._metadata
+        )
 
     async def close(self) -> None:
         if self._channel is not None:

@@ -3,7 +3,7 @@ one, and how it cuts long turns into segments."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kubestar.scheduler.core import DEFAULT_STARVATION_SECONDS, KV_AWARE, POLICIES
 
@@ -31,6 +31,9 @@ class SchedulerConfig:
     # kv-aware: the most new tokens one admission reserves room for; a longer turn runs in
     # segments of this size (0: the whole turn at once). Best a multiple of the block size.
     segment_tokens: int = 256
+    # The bearer token the engines require (their kubestar.engine.auth_middleware); "" sends
+    # none.
+    engine_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -106,7 +106,9 @@ class Engines:
     def add(self, name: str, url: str) -> Engine:
         engine = Engine(
             state=EngineState(name=name, url=url.rstrip("/")),
-            client=EngineClient(url, timeout=self.config.request_timeout),
+            client=EngineClient(
+                url, timeout=self.config.request_timeout, token=self.config.engine_token
+            ),
         )
         self.by_name[name] = engine
         engine.watcher = asyncio.create_task(self._watch(engine), name=f"watch {name}")

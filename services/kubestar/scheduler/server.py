@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from kubestar.common.auth import server_interceptors
 from kubestar.common.bounds import ServiceBounds
 from kubestar.common.net import check_can_listen, start_metrics_server
 from kubestar.scheduler.config import SchedulerConfig
@@ -53,6 +54,9 @@ class ServerConfig:
     metrics_address: str = "127.0.0.1"
     drain_seconds: float = 30.0
     bounds: ServiceBounds = field(default_factory=ServiceBounds)
+    # The installation's token (kubestar.common.auth): every call but health checks must
+    # carry it. "": no authentication. The engines' token is scheduler.engine_token.
+    auth_token: str = field(default="", repr=False)
 
 
 def _code(error: Exception) -> grpc.StatusCode:
@@ -143,6 +147,7 @@ class SchedulerServer:
                 ("grpc.so_reuseport", 0),
             ],
             maximum_concurrent_rpcs=config.bounds.max_concurrent_rpcs,
+            interceptors=server_interceptors(config.auth_token),
         )
         self.health = health.aio.HealthServicer()
         self.discovery: KubernetesDiscovery | None = None
@@ -200,6 +205,7 @@ class SchedulerServer:
                     "policy": self.config.scheduler.policy,
                     "engines": [name for name, _ in self.config.engines],
                     "metrics_port": self.config.metrics_port,
+                    "authentication": bool(self.config.auth_token),
                 }
             },
         )
