@@ -40,6 +40,7 @@ CHILD_KINDS = ",".join(
         "pods",
         "services",
         "configmaps",
+        "secrets",
         "serviceaccounts",
         "roles",
         "rolebindings",
@@ -638,8 +639,9 @@ def test_delete_collects_every_child(tools: Tools, settings: Settings) -> None:
     (settings.out / "children-before-delete.txt").write_text("\n".join(before) + "\n")
     kinds = {name.split("/")[0] for name in before}
     # The run's ConfigMap/RBAC/Job, the fleet's engine and scheduler, the pool's workers and
-    # dispatcher (with their pods and ReplicaSets).
-    assert {"Job", "ConfigMap", "Role", "StatefulSet", "Deployment", "Service"} <= kinds, before
+    # dispatcher (with their pods and ReplicaSets), each resource's copy of the token.
+    expected = {"Job", "ConfigMap", "Role", "StatefulSet", "Deployment", "Service", "Secret"}
+    assert expected <= kinds, before
     tools.kubectl_text(
         "delete",
         "trainingrun,rolloutfleet,sandboxpool",

@@ -71,4 +71,16 @@ operator.watchNamespaces (and nothing beyond them).
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "patch"]
+# Each resource's copy of the installation's token (a Secret it owns, beside its pods): what
+# applying it takes, no list or watch.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create", "patch"]
 {{- end }}
+
+{{/*
+The Secret that holds the installation's bearer token (key `token`).
+*/}}
+{{- define "kubestar.authSecretName" -}}
+{{- default (printf "%s-auth" (include "kubestar.fullname" .)) .Values.auth.existingSecret -}}
+{{- end -}}

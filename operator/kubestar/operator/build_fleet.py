@@ -7,11 +7,16 @@ vLLM's CUDA image and `nvidia.com/gpu` (tensorParallelSize GPUs per engine, tole
 usual GPU taints), `cpu` kubestar's engine image (vLLM's CPU build) through
 `kubestar engine serve`. GPU images run vLLM's OpenAI server directly, with its development
 endpoints on (VLLM_SERVER_DEV_MODE=1) since the trainer pushes weights through them.
+
+With the installation's token (settings.auth) the fleet gets a copy of it (a Secret) that its
+engines and scheduler mount: the scheduler requires it of its callers and sends it to the
+engines, which require it on every path but /health, /ping and /metrics.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from importlib import resources
 from typing import Any
 
 from kubestar.api.v1alpha1 import RolloutFleetSpec
@@ -23,6 +28,18 @@ ENGINE = "engine"
 SCHEDULER = "scheduler"
 GPU_RESOURCE = {"amd": "amd.com/gpu", "nvidia": "nvidia.com/gpu"}
 MODEL_MOUNT = "/models"
+# GPU engines load the auth middleware from a ConfigMap: the module's name there, its folder.
+ENGINE_AUTH_MODULE = "kubestar_engine_auth"
+ENGINE_AUTH_DIR = "/etc/kubestar/engine-auth"
+
+
+def auth_name(fleet: str) -> str:
+    """The fleet's copy of the installation's token (its engines and scheduler mount it)."""
+    return o.child_name(fleet, "fleet-auth")
+
+
+def engine_auth_name(fleet: str) -> str:
+    return o.child_name(fleet, "engine-auth")
 
 
 def engine_name(fleet: str) -> str:
@@ -65,7 +82,12 @@ def engine_image(spec: RolloutFleetSpec, settings: OperatorSettings) -> str:
     }[spec.accelerator]
 
 
-def engine_command(spec: RolloutFleetSpec, bind_address: str = "0.0.0.0") -> list[str]:
+def engine_command(
+    spec: RolloutFleetSpec, bind_address: str = "0.0.0.0", auth_token_file: str = ""
+) -> list[str]:
+    """`auth_token_file`: the engine requires the token in that file (a CPU engine through
+    `kubestar engine serve --auth-token-file`, a GPU image through vLLM's --middleware and
+    the copy of the middleware's module in engine_auth_config)."""
     engine = spec.engine
     if spec.accelerator == "cpu":
         command = [
@@ -87,6 +109,8 @@ def engine_command(spec: RolloutFleetSpec, bind_address: str = "0.0.0.0") -> lis
             "--max-num-seqs",
             str(engine.max_num_seqs),
         ]
+        if auth_token_file:
+            command += ["--auth-token-file", auth_token_file]
         return command + (["--", *engine.extra_args] if engine.extra_args else [])
     settings = EngineSettings(
         model=model_argument(spec),
@@ -100,6 +124,8 @@ def engine_command(spec: RolloutFleetSpec, bind_address: str = "0.0.0.0") -> lis
         max_num_seqs=engine.max_num_seqs,
         extra_args=list(engine.extra_args),
         python="python3",
+        auth_token_file=auth_token_file,
+        auth_middleware=f"{ENGINE_AUTH_MODULE}.BearerTokenMiddleware",
     )
     return settings.command()
 
@@ -157,7 +183,9 @@ def engine_deployment(
         "name": "engine",
         "image": engine_image(spec, settings),
         "imagePullPolicy": settings.images.pull_policy,
-        "command": engine_command(spec, settings.network.bind_address),
+        "command": engine_command(
+            spec, settings.network.bind_address, o.AUTH_TOKEN_FILE if settings.auth.token else ""
+        ),
         "env": o.env_list(engine_env(spec)),
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         "resources": engine_resources(spec),
@@ -242,7 +270,14 @@ def engine_deployment(
     if gpu:
         pod["tolerations"] = [{"key": gpu, "operator": "Exists", "effect": "NoSchedule"}]
     _network(pod, settings)
-    return o.with_hash(
+    if settings.auth.token and spec.accelerator != "cpu":
+        # vLLM's own images lack kubestar: the middleware comes from a copy of its module.
+        container["env"].append({"name": "PYTHONPATH", "value": ENGINE_AUTH_DIR})
+        container["volumeMounts"].append(
+            {"name": "engine-auth", "mountPath": ENGINE_AUTH_DIR, "readOnly": True}
+        )
+        volumes.append({"name": "engine-auth", "configMap": {"name": engine_auth_name(name)}})
+    engines = o.with_hash(
         {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
@@ -260,6 +295,22 @@ def engine_deployment(
                     "spec": pod,
                 },
             },
+        }
+    )
+    return o.with_auth(engines, auth_name(name), settings.auth.token, flag=False)
+
+
+def engine_auth_config(fleet: Mapping[str, Any]) -> o.Obj:
+    """The engines' auth middleware (kubestar.engine.auth_middleware, standard library
+    only) as a module GPU engines import (their images have vLLM but not kubestar)."""
+    name = fleet["metadata"]["name"]
+    source = resources.files("kubestar.engine").joinpath("auth_middleware.py").read_text()
+    return o.with_hash(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": o.metadata(fleet, engine_auth_name(name), ENGINE),
+            "data": {f"{ENGINE_AUTH_MODULE}.py": source},
         }
     )
 
@@ -372,7 +423,7 @@ def scheduler_deployment(
         "volumes": [{"name": "tmp", "emptyDir": {}}],
     }
     _network(pod, settings)
-    return o.with_hash(
+    scheduler = o.with_hash(
         {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
@@ -387,6 +438,8 @@ def scheduler_deployment(
             },
         }
     )
+    # The scheduler requires the token of its callers and sends it to the engines.
+    return o.with_auth(scheduler, auth_name(name), settings.auth.token)
 
 
 def scheduler_service(fleet: Mapping[str, Any], spec: RolloutFleetSpec) -> o.Obj:
@@ -464,8 +517,15 @@ def children(
         if settings.network_policies.enabled and not settings.network.host_network
         else []
     )
+    token = settings.auth.token
+    auth: list[o.Obj] = []
+    if token:
+        auth.append(o.auth_secret(fleet, auth_name(fleet["metadata"]["name"]), "fleet", token))
+        if spec.accelerator != "cpu":
+            auth.append(engine_auth_config(fleet))
     return [
         *policies,
+        *auth,
         engine_deployment(fleet, spec, settings),
         scheduler_service_account(fleet),
         scheduler_role(fleet),

@@ -8,7 +8,9 @@ capabilities. A worker of a pool with isolation: Required gets the namespaces it
 as the operator's settings say (sandbox.isolationMechanism): by default it runs as root with
 exactly the capabilities its executors use, and each call runs as a uid of its own with none;
 with UserNamespace it runs as non-root with no capabilities. Workers listen on
-`spec.port + 1`, the dispatcher on `spec.port`.
+`spec.port + 1`, the dispatcher on `spec.port`. With the installation's token
+(settings.auth) both mount the pool's copy of it (a Secret): the dispatcher requires it of
+its callers and sends it to the workers, which require it too.
 
 A worker that cannot isolate its calls (spec.isolation: Required) exits with one line in its
 termination message, which the kubelet puts in the pod's status and the SandboxPool's Ready
@@ -44,6 +46,11 @@ def worker_name(pool: str) -> str:
 
 def dispatcher_name(pool: str) -> str:
     return o.child_name(pool, "sandbox")
+
+
+def auth_name(pool: str) -> str:
+    """The pool's copy of the installation's token (its workers and dispatcher mount it)."""
+    return o.child_name(pool, "sandbox-auth")
 
 
 def worker_port(spec: SandboxPoolSpec) -> int:
@@ -173,7 +180,7 @@ def worker_statefulset(
     limits = {"ephemeral-storage": EPHEMERAL_STORAGE_LIMIT, **spec.resources.limits}
     container["resources"] = o.resources(spec.resources.requests, limits)
     selector = o.selector_labels("SandboxPool", name, WORKER)
-    return o.with_hash(
+    workers = o.with_hash(
         {
             "apiVersion": "apps/v1",
             "kind": "StatefulSet",
@@ -190,6 +197,7 @@ def worker_statefulset(
             },
         }
     )
+    return o.with_auth(workers, auth_name(name), settings.auth.token)
 
 
 def worker_service(pool: Mapping[str, Any], spec: SandboxPoolSpec) -> o.Obj:
@@ -240,7 +248,7 @@ def dispatcher_deployment(
         "limits": {"ephemeral-storage": EPHEMERAL_STORAGE_LIMIT},
     }
     selector = o.selector_labels("SandboxPool", name, DISPATCHER)
-    return o.with_hash(
+    dispatcher = o.with_hash(
         {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
@@ -255,6 +263,7 @@ def dispatcher_deployment(
             },
         }
     )
+    return o.with_auth(dispatcher, auth_name(name), settings.auth.token)
 
 
 def dispatcher_service(pool: Mapping[str, Any], spec: SandboxPoolSpec) -> o.Obj:
@@ -316,8 +325,12 @@ def children(
         if settings.network_policies.enabled and not settings.network.host_network
         else []
     )
+    token = settings.auth.token
+    name = auth_name(pool["metadata"]["name"])
+    auth = [o.auth_secret(pool, name, "sandbox", token)] if token else []
     return [
         *policies,
+        *auth,
         worker_service(pool, spec),
         worker_statefulset(pool, spec, settings),
         dispatcher_service(pool, spec),

@@ -5,7 +5,8 @@ the trainer: one Job per worker (`<run>-trainer` is worker 0,
 a headless Service `<run>-trainer` whose one endpoint is worker 0's pod, where the other
 workers join the process group (the way Kubeflow's PyTorchJob does it, without Indexed Jobs,
 which Kubernetes 1.20 lacks). See kubestar.api.trainer_contract for what the trainer
-receives."""
+receives. With the installation's token (settings.auth) the run gets a copy of it (a
+Secret) that its trainer pods mount; their sandbox, scheduler and engine clients send it."""
 
 from __future__ import annotations
 
@@ -377,7 +378,7 @@ def job(
         job_spec["podFailurePolicy"] = {
             "rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}]
         }
-    return o.with_hash(
+    workload = o.with_hash(
         {
             "apiVersion": "batch/v1",
             "kind": "Job",
@@ -385,6 +386,8 @@ def job(
             "spec": job_spec,
         }
     )
+    # The sandbox, scheduler and engine clients read the token from the file it names.
+    return o.with_auth(workload, auth_name(name), settings.auth.token, flag=False)
 
 
 def jobs(
@@ -417,3 +420,15 @@ def network_policies(run: Mapping[str, Any], settings: OperatorSettings) -> list
 
 def rbac(run: Mapping[str, Any]) -> list[o.Obj]:
     return [service_account(run), role(run), role_binding(run)]
+
+
+def auth_name(run: str) -> str:
+    """The run's copy of the installation's token (its trainer pods mount it)."""
+    return o.child_name(run, "trainer-auth")
+
+
+def auth(run: Mapping[str, Any], settings: OperatorSettings) -> list[o.Obj]:
+    """The run's copy of the installation's token; none without one."""
+    token = settings.auth.token
+    name = auth_name(run["metadata"]["name"])
+    return [o.auth_secret(run, name, TRAINER, token)] if token else []

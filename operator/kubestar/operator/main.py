@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -75,11 +76,12 @@ def kopf_login(connection: k.Connection) -> kopf.ConnectionInfo:
     )
 
 
-async def scheduler_probe(endpoint: str) -> dict[str, tuple[int, float]] | None:
-    """Per-engine KV capacity from the fleet's scheduler (GetSchedulerStatus)."""
+async def scheduler_probe(endpoint: str, token: str = "") -> dict[str, tuple[int, float]] | None:
+    """Per-engine KV capacity from the fleet's scheduler (GetSchedulerStatus), asked with
+    the installation's token."""
     from kubestar.scheduler.client import SchedulerClient
 
-    client = SchedulerClient(endpoint, timeout=2.0)
+    client = SchedulerClient(endpoint, timeout=2.0, token=token)
     try:
         status = await client.status()
     finally:
@@ -108,7 +110,8 @@ class Runtime:
     def create(
         cls, settings: OperatorSettings, connection: k.Connection, probe: bool = True
     ) -> Runtime:
-        context = Context(k.Kube(connection), settings, scheduler_probe if probe else no_probe)
+        asked = functools.partial(scheduler_probe, token=settings.auth.token)
+        context = Context(k.Kube(connection), settings, asked if probe else no_probe)
         return cls(settings, connection, context)
 
     # --- events ------------------------------------------------------------------------

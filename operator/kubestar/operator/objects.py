@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 from collections.abc import Mapping
 from typing import Any
 
 from kubestar.api.v1alpha1 import API_VERSION
+from kubestar.common.auth import ENV_TOKEN_FILE
 
 Obj = dict[str, Any]
 
@@ -181,3 +183,56 @@ def listen_address(host: str, port: int) -> str:
 
 def env_list(values: Mapping[str, str]) -> list[Obj]:
     return [{"name": k, "value": v} for k, v in values.items()]
+
+
+# The installation's bearer token (kubestar.common.auth) in every pod that serves or calls
+# kubestar's services: a Secret beside the resource, mounted read-only under
+# /var/run/secrets, which the sandbox hides from tool calls (an empty mount over it).
+AUTH_VOLUME = "kubestar-auth"
+AUTH_DIR = "/var/run/secrets/kubestar/auth"
+AUTH_KEY = "token"
+AUTH_TOKEN_FILE = f"{AUTH_DIR}/{AUTH_KEY}"
+# A digest of the token on pod templates: a new token rolls the pods (servers read it once).
+ANNOTATION_AUTH = "kubestar.dev/auth-token-digest"
+
+
+def auth_secret(parent: Mapping[str, Any], name: str, component: str, token: str) -> Obj:
+    """The resource's copy of the installation's token (owned by it, like every child)."""
+    return with_hash(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": metadata(parent, name, component),
+            "type": "Opaque",
+            "data": {AUTH_KEY: base64.b64encode(token.encode()).decode()},
+        }
+    )
+
+
+def with_auth(workload: Obj, secret: str, token: str, flag: bool = True) -> Obj:
+    """`workload` (a Deployment, StatefulSet or Job) with the Secret `secret` mounted
+    read-only at AUTH_DIR in each container, KUBESTAR_AUTH_TOKEN_FILE naming the file (what
+    clients read), `--auth-token-file` added to each container's command when `flag` (the
+    servers'), and the token's digest on the pod template; unchanged without a token."""
+    if not token:
+        return workload
+    template = workload["spec"]["template"]
+    pod = template["spec"]
+    pod.setdefault("volumes", []).append({"name": AUTH_VOLUME, "secret": {"secretName": secret}})
+    for container in pod["containers"]:
+        container.setdefault("volumeMounts", []).append(
+            {"name": AUTH_VOLUME, "mountPath": AUTH_DIR, "readOnly": True}
+        )
+        container.setdefault("env", []).append({"name": ENV_TOKEN_FILE, "value": AUTH_TOKEN_FILE})
+        if flag:
+            container["command"] = auth_flagged(container["command"])
+    annotations = template.setdefault("metadata", {}).setdefault("annotations", {})
+    annotations[ANNOTATION_AUTH] = _digest(f"kubestar-auth:{token}", 16)
+    return with_hash(workload)
+
+
+def auth_flagged(command: list[str]) -> list[str]:
+    """A kubestar command with `--auth-token-file AUTH_TOKEN_FILE`, before any `--` (after
+    which arguments go to vLLM)."""
+    at = command.index("--") if "--" in command else len(command)
+    return [*command[:at], "--auth-token-file", AUTH_TOKEN_FILE, *command[at:]]

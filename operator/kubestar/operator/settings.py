@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from kubestar.common.auth import read_token_file
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
@@ -157,6 +158,25 @@ class NetworkPolicies(_Settings):
     operator_namespace: str = ""
 
 
+class Auth(_Settings):
+    """The installation's bearer token (kubestar.common.auth), which the sandbox, the rollout
+    schedulers and the engines require of their callers. The chart makes it (a Secret in the
+    release's namespace, mounted into the operator's pod); the operator copies it into a
+    Secret beside each resource (`NAME-sandbox-auth`, `NAME-fleet-auth`,
+    `NAME-trainer-auth`, owned by the resource) and mounts that, read-only, into every pod
+    that serves or calls these services."""
+
+    # The file that holds the token (the chart's Secret, mounted). Empty: kubestar's
+    # services run without authentication (a development operator outside the chart).
+    token_file: str = ""
+    # Read from token_file by OperatorSettings.load; never written into the settings file.
+    token: str = Field("", exclude=True, repr=False)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.token)
+
+
 class OperatorSettings(_Settings):
     # A RolloutFleet that does not say spec.accelerator gets this one.
     default_accelerator: Literal["amd", "nvidia", "cpu"] = "cpu"
@@ -167,6 +187,7 @@ class OperatorSettings(_Settings):
     trainer: TrainerDefaults = Field(default_factory=TrainerDefaults)
     policy: Policy = Field(default_factory=Policy)
     network_policies: NetworkPolicies = Field(default_factory=NetworkPolicies)
+    auth: Auth = Field(default_factory=Auth)
     # Namespaces to watch; empty: all (cluster-wide).
     namespaces: list[str] = Field(default_factory=list)
     # Every resource is reconciled at least this often (children are also watched).
@@ -179,4 +200,7 @@ class OperatorSettings(_Settings):
         if not path:
             return cls()
         data = yaml.safe_load(Path(path).read_text()) or {}
-        return cls.model_validate(data)
+        settings = cls.model_validate(data)
+        if settings.auth.token_file:
+            settings.auth.token = read_token_file(settings.auth.token_file)
+        return settings

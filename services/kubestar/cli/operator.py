@@ -64,6 +64,11 @@ def run_command(
     # kopf logs every handled watch event at INFO; the reconcilers log what matters.
     logging.getLogger("kopf.objects").setLevel(max(logging.WARNING, logging.root.level))
     settings = OperatorSettings.load(config_path or None)
+    if not settings.auth.token:
+        logging.getLogger("kubestar.operator").warning(
+            "no auth.tokenFile in the settings: the sandboxes, schedulers and engines this "
+            "operator makes serve without authentication (the chart always sets one)"
+        )
     if namespaces:
         settings.namespaces = list(namespaces)
     connection = kube.connect(kubeconfig or None)
