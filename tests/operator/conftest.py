@@ -4,6 +4,7 @@ subprocess with the chart's service account (so the chart's RBAC is what it gets
 
 from __future__ import annotations
 
+import base64
 import itertools
 import re
 import subprocess
@@ -16,6 +17,7 @@ from e2e.local_cluster import (
     FakeKubelet,
     LocalCluster,
     OperatorProcess,
+    core,
     temporary_directory,
 )
 from tests.operator.support import CHART
@@ -69,12 +71,23 @@ def chart(cluster: LocalCluster) -> str:
 
 
 @pytest.fixture(scope="session")
-def operator(cluster: LocalCluster, chart: str) -> Iterator[OperatorProcess]:
+def auth_token(cluster: LocalCluster, chart: str) -> str:
+    """The installation's token, from the Secret the chart made."""
+    secret = cluster.api().get(core(chart, "secrets", f"{RELEASE}-auth"))
+    assert secret is not None, "the chart made no auth Secret"
+    return base64.b64decode(secret["data"]["token"]).decode()
+
+
+@pytest.fixture(scope="session")
+def operator(cluster: LocalCluster, chart: str, auth_token: str) -> Iterator[OperatorProcess]:
     token = cluster.service_account_token(chart, RELEASE)
     kubeconfig = cluster.write_kubeconfig(cluster.directory / "operator.kubeconfig", token, chart)
+    # As the chart's operator pod has it: the chart's Secret, mounted.
+    token_file = cluster.directory / "auth-token"
+    token_file.write_text(auth_token)
     process = OperatorProcess(
         kubeconfig,
-        {"resyncSeconds": 2, "probeSchedulers": False},
+        {"resyncSeconds": 2, "probeSchedulers": False, "auth": {"tokenFile": str(token_file)}},
         cluster.directory / "operator.log",
         lease_namespace=chart,
         lease_name=f"{RELEASE}-operator",

@@ -233,9 +233,12 @@ def test_chart_installed(cluster: LocalCluster, chart: str) -> None:
 
     parsed = OperatorSettings.model_validate(yaml.safe_load(settings))
     assert parsed.default_accelerator == "cpu"
-    # RBAC is least privilege: the operator may not read secrets or delete its children.
+    # RBAC is least privilege: the operator may not enumerate or delete secrets (it writes
+    # and reads back only its own copies of the token, by name) nor delete its children.
     for verb, resource in (
-        ("get", "secrets"),
+        ("list", "secrets"),
+        ("watch", "secrets"),
+        ("delete", "secrets"),
         ("delete", "deployments"),
         ("create", "clusterroles"),
         ("patch", "trainingruns.kubestar.dev"),

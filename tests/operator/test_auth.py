@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,9 @@ from kubestar.operator import build_fleet, build_sandbox, build_trainer
 from kubestar.operator import objects as o
 from kubestar.operator.settings import Auth, OperatorSettings
 
-from e2e.local_cluster import LocalCluster
+from e2e.local_cluster import LocalCluster, OperatorProcess, apis, core, kubestar, wait_for
 from tests.operator.support import CHART, parent
+from tests.operator.test_reconcile import example, owned_by
 from tests.real_parts import missing
 
 TOKEN = "kubestar-test-token-0123456789abcdef"
@@ -263,3 +265,27 @@ def test_the_chart_can_use_an_existing_secret(tmp_path: Path) -> None:
     (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
     volumes = deployment["spec"]["template"]["spec"]["volumes"]
     assert {"name": "auth", "secret": {"secretName": "my-token"}} in volumes
+
+
+def test_the_operator_copies_the_charts_token_beside_a_pool(
+    cluster: LocalCluster, operator: OperatorProcess, auth_token: str, namespace: str
+) -> None:
+    """Against a real API server, with the chart's RBAC: the pool's copy of the chart's
+    token, owned by the pool and mounted by its pods; made again when deleted."""
+    api = cluster.api()
+    pool = api.create(kubestar(namespace, "sandboxpools"), example("SandboxPool"))
+    name = pool["metadata"]["name"]
+    path = core(namespace, "secrets", f"{name}-sandbox-auth")
+    secret = wait_for("the pool's Secret", partial(api.get, path), timeout=20)
+    assert owned_by(secret, pool)
+    assert base64.b64decode(secret["data"]["token"]).decode() == auth_token
+    workers = wait_for(
+        "the workers",
+        partial(api.get, apis("apps/v1", namespace, "statefulsets", f"{name}-sandbox-worker")),
+        timeout=20,
+    )
+    volumes = {v["name"]: v for v in workers["spec"]["template"]["spec"]["volumes"]}
+    assert volumes[o.AUTH_VOLUME]["secret"]["secretName"] == f"{name}-sandbox-auth"
+    api.delete(path)
+    again = wait_for("the Secret made again", partial(api.get, path), timeout=30)
+    assert again["metadata"]["uid"] != secret["metadata"]["uid"]
