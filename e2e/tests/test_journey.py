@@ -507,6 +507,89 @@ def test_tool_calls_reach_nothing_from_the_sandbox(tools: Tools, settings: Setti
         assert call[name] == "OSError: Network is unreachable", (name, call)
 
 
+CLOSED = r"""
+import asyncio, json, urllib.error, urllib.request
+import grpc
+from kubestar.sandbox.client import SandboxClient
+from kubestar.scheduler.client import SchedulerClient
+
+def http(url, token):
+    request = urllib.request.Request(url, data=b"{{}}", method="POST")
+    if token:
+        request.add_header("Authorization", "Bearer " + token)
+    try:
+        return urllib.request.urlopen(request, timeout=30).status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+async def rpc(call):
+    try:
+        await call
+        return "OK"
+    except grpc.aio.AioRpcError as error:
+        return error.code().name
+
+async def main():
+    token = open("{token_file}").read().strip()
+    seen = {{}}
+    for name, given in (("without", ""), ("wrong", "x" * 64), ("with", token)):
+        sandbox = SandboxClient("127.0.0.1:{port}", timeout=60, token=given)
+        scheduler = SchedulerClient("{scheduler}", timeout=60, token=given)
+        seen[name] = {{
+            "sandbox": await rpc(sandbox.aexecute("print(1)")),
+            "scheduler": await rpc(scheduler.status()),
+            "engine": http("{engine}/reset_prefix_cache", given),
+        }}
+        await sandbox.aclose()
+        await scheduler.close()
+    print(json.dumps(seen))
+
+asyncio.run(main())
+"""
+
+
+def test_the_planes_refuse_calls_without_the_installations_token(
+    tools: Tools, settings: Settings
+) -> None:
+    """From the dispatcher's pod, which the network lets through: the sandbox, the rollout
+    scheduler and an engine's development endpoints refuse a call without the chart's token
+    or with another, and serve it with the token."""
+    pool = tools.get("sandboxpool", POOL, settings.namespace)
+    fleet = tools.get("rolloutfleet", FLEET, settings.namespace)
+    assert pool is not None and fleet is not None
+    engine = tools.items(
+        "pods",
+        settings.namespace,
+        f"app.kubernetes.io/instance={FLEET}",
+        "app.kubernetes.io/component=engine",
+    )[0]
+    engine_port = engine["spec"]["containers"][0]["ports"][0]["containerPort"]
+    engine_host = engine["status"].get("podIP") or "127.0.0.1"
+    script = CLOSED.format(
+        port=50051,
+        token_file="/var/run/secrets/kubestar/auth/token",
+        scheduler=fleet["status"]["schedulerEndpoint"],
+        engine=f"http://{engine_host}:{engine_port}",
+    )
+    output = tools.kubectl_text(
+        "exec",
+        "-n",
+        settings.namespace,
+        f"deploy/{POOL}-sandbox",
+        "--",
+        "python",
+        "-c",
+        script,
+        timeout=180,
+    )
+    seen = json.loads(output.strip().splitlines()[-1])
+    settings.notes["planes_without_token"] = seen
+    refused = {"sandbox": "UNAUTHENTICATED", "scheduler": "UNAUTHENTICATED", "engine": 401}
+    assert seen["without"] == refused, seen
+    assert seen["wrong"] == refused, seen
+    assert seen["with"] == {"sandbox": "OK", "scheduler": "OK", "engine": 200}, seen
+
+
 def test_run_succeeds_with_step_metrics_and_checkpoint(tools: Tools, settings: Settings) -> None:
     recorder = Journey.recorder
     assert recorder is not None

@@ -59,6 +59,7 @@ def test_paths_need_the_token_but_health_and_metrics(engine: EngineProcess) -> N
     for path in ("/collective_rpc", "/pause", "/reset_prefix_cache", "/v1/completions"):
         assert status(engine.url + path) == 401, path
         assert status(engine.url + path, token="not-the-token") == 401, path
+    assert status(engine.url + "/reset_prefix_cache", token=TOKEN) == 200
     assert status(engine.url + "/v1/models", "GET") == 401
     assert status(engine.url + "/v1/models", "GET", TOKEN) == 200
     for path in ("/health", "/metrics"):
