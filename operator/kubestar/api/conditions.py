@@ -66,6 +66,9 @@ class ConditionType(StrEnum):
     TRAINER_READY = "TrainerReady"
     # TrainingRun run locally (`kubestar train -f`): the trainer is making progress.
     PROGRESSING = "Progressing"
+    # TrainingRun: the latest step trained on its rollouts; False while a step is rolled out
+    # again because engine, scheduler or sandbox failures spoiled too many trajectories.
+    ROLLOUTS_HEALTHY = "RolloutsHealthy"
 
 
 class Reason(StrEnum):
@@ -137,6 +140,12 @@ class Reason(StrEnum):
     COMPLETED = "Completed"
     # The trainer raised; the message names the exception.
     TRAINER_ERROR = "TrainerError"
+
+    # TrainingRun, RolloutsHealthy.
+    HEALTHY = "Healthy"
+    # Engine, scheduler or sandbox failures spoiled more of a step's trajectories than
+    # spec.resilience.maxInfraFailureFraction allows: rolled out again, or the run failed.
+    INFRASTRUCTURE_FAILURES = "InfrastructureFailures"
 
 
 class Condition(BaseModel):

@@ -34,7 +34,8 @@ subresource, nothing else (a Role limited by resourceNames). It reports with
 `kubestar.training.progress.StatusPatcher`, which sends `trainer_patch(status)` to the status
 subresource: a JSON merge patch of the fields the trainer owns, `phase` (Evaluating, SFT,
 Training, Succeeded, Failed: kubestar.api.conditions.TRAINER_PHASES), `stage`, `step`,
-`totalSteps`, `progress`, `metrics`, `lastCheckpoint`, `estimatedSecondsLeft`. The operator
+`totalSteps`, `progress`, `metrics`, `lastCheckpoint`, `estimatedSecondsLeft`,
+`rolloutRetry` (which `rollouts_condition` turns into the RolloutsHealthy condition). The operator
 owns `conditions`, `observedGeneration`, `stepSummary`, `trainer` and the phases Pending and
 Provisioning; it also sets Succeeded or Failed from the Job's outcome when the trainer could
 not. A report that fails is logged and dropped, never retried: training goes on, and the next
@@ -52,7 +53,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from kubestar.api.conditions import TRAINER_PHASES
+from kubestar.api.conditions import (
+    TRAINER_PHASES,
+    Condition,
+    ConditionType,
+    Reason,
+    condition,
+)
 from kubestar.api.v1alpha1 import TrainingRunStatus
 
 ENV_NAME = "KUBESTAR_TRAININGRUN_NAME"
@@ -79,6 +86,7 @@ TRAINER_FIELDS = (
     "metrics",
     "lastCheckpoint",
     "estimatedSecondsLeft",
+    "rolloutRetry",
 )
 
 
@@ -112,6 +120,29 @@ class TrainerEnvironment:
             processes=int(values.get(ENV_PROCESSES, "1")),
             rendezvous=values.get(ENV_RENDEZVOUS, ""),
         )
+
+
+def rollouts_condition(status: TrainingRunStatus, generation: int = 0) -> Condition | None:
+    """RolloutsHealthy from what the trainer reports: False while a step is rolled out again
+    (or the run failed) for infrastructure failures, True once a step trained; None before."""
+    retry = status.rollout_retry
+    if retry is not None:
+        return condition(
+            ConditionType.ROLLOUTS_HEALTHY,
+            False,
+            Reason.INFRASTRUCTURE_FAILURES,
+            retry.message,
+            generation,
+        )
+    if status.step > 0:
+        return condition(
+            ConditionType.ROLLOUTS_HEALTHY,
+            True,
+            Reason.HEALTHY,
+            "the latest step trained on its rollouts",
+            generation,
+        )
+    return None
 
 
 def trainer_patch(status: TrainingRunStatus) -> dict[str, Any]:

@@ -623,6 +623,35 @@ class EvaluationSpec(Spec):
     )
 
 
+class ResilienceSpec(Spec):
+    """What a run does when the infrastructure under it fails (an engine, the rollout
+    scheduler or the sandbox), as opposed to the policy."""
+
+    max_infra_failure_fraction: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="Largest share of a step's trajectories that may be spoiled by an engine, "
+        "scheduler or sandbox failure (a generation error, a sandbox internal or "
+        "queue-timeout result). Such trajectories are never trained on, whatever their "
+        "share; above this share the step is rolled out again instead of trained on.",
+    )
+    rollout_attempts: int = Field(
+        4,
+        ge=1,
+        le=100,
+        description="Rollouts of one step at most: after the last, with too many "
+        "trajectories still spoiled, the run fails (reason InfrastructureFailures).",
+    )
+    retry_backoff_seconds: float = Field(
+        30.0,
+        ge=0,
+        le=600,
+        description="Wait before a step is rolled out again, doubled for each further "
+        "attempt (at most 10 minutes): time for a restarted pod to come back.",
+    )
+
+
 class TrainingRunSpec(Spec):
     """Desired state of a TrainingRun: the model, the algorithm and the stages to train it
     with, on a RolloutFleet and a SandboxPool in the same namespace."""
@@ -664,6 +693,11 @@ class TrainingRunSpec(Spec):
     evaluation: EvaluationSpec = Field(
         default_factory=EvaluationSpec,
         description="Held-out evaluation: dataset, samples, and when it runs.",
+    )
+    resilience: ResilienceSpec = Field(
+        default_factory=ResilienceSpec,
+        description="What the run does when engines, the scheduler or the sandbox fail: "
+        "trajectories they spoil are left out, and a step with too many is rolled out again.",
     )
 
     @model_validator(mode="after")
@@ -722,6 +756,19 @@ class TrainingMetrics(Spec):
     )
 
 
+class RolloutRetry(Spec):
+    """A step being rolled out again because infrastructure failures spoiled too many of its
+    trajectories (written by the trainer; the operator shows it as the RolloutsHealthy
+    condition)."""
+
+    step: int = Field(description="The RL step (over all stages) being rolled out again.")
+    attempt: int = Field(description="The attempt that failed (1 is the first rollout).")
+    attempts: int = Field(description="spec.resilience.rolloutAttempts.")
+    spoiled: int = Field(description="Trajectories of that attempt spoiled by a failure.")
+    trajectories: int = Field(description="Trajectories of that attempt.")
+    message: str = Field("", description="What failed, by cause, with the first error's text.")
+
+
 class TrainingRunStatus(Spec):
     """Observed state of a TrainingRun. The trainer writes stage, step, progress, metrics,
     the checkpoint and the phases from Evaluating on; the operator writes the rest."""
@@ -766,6 +813,12 @@ class TrainingRunStatus(Spec):
         "",
         description="Address of trainer worker 0's pod, where the other workers join the "
         "process group on clusters without DNS for Services (kept by the operator).",
+    )
+    rollout_retry: RolloutRetry | None = Field(
+        None,
+        description="Set while a step is rolled out again because too many of its "
+        "trajectories were spoiled by engine, scheduler or sandbox failures (or when the run "
+        "failed for that); cleared once the step trains.",
     )
 
 

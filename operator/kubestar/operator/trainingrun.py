@@ -27,11 +27,14 @@ from kubestar.api.conditions import (
     Reason,
     condition,
 )
+from kubestar.api.trainer_contract import rollouts_condition
 from kubestar.api.v1alpha1 import (
     GROUP,
     VERSION,
+    RolloutRetry,
     SandboxPoolSpec,
     TrainingRunSpec,
+    TrainingRunStatus,
 )
 from kubestar.common import kube as k
 from kubestar.operator import build_trainer, metrics, rolloutfleet
@@ -295,6 +298,17 @@ def own(obj: ObjT | None, owner_uid: str) -> ObjT | None:
     return obj if any(ref.get("uid") == owner_uid for ref in refs) else None
 
 
+def reported_status(run: Mapping[str, Any]) -> TrainingRunStatus:
+    """What the trainer reported that the operator's conditions read (the rest of the live
+    status is the operator's own)."""
+    live = run.get("status") or {}
+    retry = live.get("rolloutRetry")
+    return TrainingRunStatus(
+        step=int(live.get("step") or 0),
+        rollout_retry=RolloutRetry.model_validate(retry) if retry else None,
+    )
+
+
 def step_summary(status: Mapping[str, Any]) -> str:
     total = status.get("totalSteps") or 0
     return f"{status.get('step') or 0}/{total}" if total else ""
@@ -394,6 +408,9 @@ async def reconcile(ctx: Context, run: dict[str, Any]) -> None:
     refused = await ctx.refusals(namespace, "Job", podless) if podless else {}
     outcome = workers_outcome(jobs, pods, refused)
     decision = decide(phase_now, generation, spec_problem, deps, deps_exist, outcome)
+    rollouts = rollouts_condition(reported_status(run), generation)
+    if rollouts is not None:
+        decision.conditions.append(rollouts)
 
     extra: dict[str, Any] = {}
     if started:

@@ -13,7 +13,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kubestar.api.conditions import ConditionType, Phase, condition
-from kubestar.api.trainer_contract import TrainerEnvironment, trainer_patch
+from kubestar.api.trainer_contract import (
+    TrainerEnvironment,
+    rollouts_condition,
+    trainer_patch,
+)
 from kubestar.api.v1alpha1 import API_VERSION, TrainingMetrics, TrainingRunStatus
 from kubestar.common import kube
 
@@ -112,6 +116,16 @@ def set_phase(status: TrainingRunStatus, phase: Phase, reason: str, message: str
     )
     others = [c for c in status.conditions if c.type != ConditionType.PROGRESSING]
     status.conditions = [*others, progressing]
+
+
+def set_rollouts_condition(status: TrainingRunStatus) -> None:
+    """The RolloutsHealthy condition of a local run's status, as the operator derives it on a
+    cluster from the same fields (kubestar.api.trainer_contract.rollouts_condition)."""
+    rollouts = rollouts_condition(status, status.observed_generation)
+    if rollouts is None:
+        return
+    others = [c for c in status.conditions if c.type != ConditionType.ROLLOUTS_HEALTHY]
+    status.conditions = [*others, rollouts]
 
 
 def status_metrics(metrics: dict[str, float]) -> TrainingMetrics:

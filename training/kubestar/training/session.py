@@ -26,6 +26,7 @@ import shutil
 import time
 import zlib
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from kubestar.api.v1alpha1 import (
     AlgorithmSpec,
     CallLimitsSpec,
     DatasetSpec,
+    RolloutRetry,
     StageSpec,
     TrainingRun,
     TrainingRunStatus,
@@ -45,7 +47,14 @@ from kubestar.training.distributed import SINGLE, ShardingConfig, World, all_red
 from kubestar.training.endpoints import Endpoints
 from kubestar.training.generators import Sampling
 from kubestar.training.policy import OptimizerConfig, Policy
-from kubestar.training.progress import MetricsLog, Reporter, set_phase, status_metrics
+from kubestar.training.progress import (
+    MetricsLog,
+    Reporter,
+    set_phase,
+    set_rollouts_condition,
+    status_metrics,
+)
+from kubestar.training.resilience import InfrastructureFailure, rollout_step
 from kubestar.training.stopping import StopRequest, TrainingStopped
 from kubestar.training.trainer import AlgorithmConfig, GrpoTrainer
 from kubestar.training.trajectory import Trajectory
@@ -180,6 +189,9 @@ class TrainingSession:
             self._run(policy, worker)
         except TrainingStopped:
             raise  # not a failure: the run goes on where it stopped
+        except InfrastructureFailure as error:
+            self._set_phase(Phase.FAILED, Reason.INFRASTRUCTURE_FAILURES, str(error))
+            raise
         except Exception as error:
             self._set_phase(Phase.FAILED, Reason.TRAINER_ERROR, f"{type(error).__name__}: {error}")
             raise
@@ -189,7 +201,6 @@ class TrainingSession:
         return self.status
 
     def _run(self, policy: Policy, worker: Any) -> None:
-        import ray
 
         main = self.world.main
         fresh = broadcast(checkpoint.latest(self.checkpoints) is None if main else None, self.world)
@@ -240,17 +251,19 @@ class TrainingSession:
             for step in range(state.stage_step, stage.steps):
                 started = time.monotonic()
                 trajectories: list[Trajectory] = []
+                attempts = 1
                 if main:
-                    batch = step_problems(problems, stage, step, seed=index)
-                    trajectories, stats = ray.get(
-                        worker.rollout.remote(
-                            batch,
-                            trainer.config.rollouts_per_problem,
-                            self.spec.algorithm.max_turns,
-                            stage.max_response_tokens,
-                            self._sampling(),
-                        )
+                    attempt = partial(
+                        self._rollout,
+                        worker,
+                        step_problems(problems, stage, step, seed=index),
+                        trainer.config.rollouts_per_problem,
+                        stage.max_response_tokens,
                     )
+                    trajectories, stats, attempts = rollout_step(
+                        attempt, self.spec.resilience, state.global_step + 1, self._retrying
+                    )
+                    self.status.rollout_retry = None
                 rollout_seconds = time.monotonic() - started
                 metrics = trainer.update(trajectories)  # sharded: rank 0's trajectories
                 state.global_step += 1
@@ -262,6 +275,7 @@ class TrainingSession:
                         rollout_seconds=rollout_seconds,
                         tokens_per_second=stats.tokens_per_s,
                         world_size=float(self.world.size),  # training processes
+                        rollout_attempts=float(attempts),
                         weights_versions=float(
                             max((v for t in trajectories for v in t.weights_versions), default=0)
                         ),
@@ -397,6 +411,7 @@ class TrainingSession:
         self.status.progress = state.global_step / max(self.status.total_steps, 1)
         self.status.metrics = status_metrics(metrics)
         self.status.estimated_seconds_left = left * sum(recent) / len(recent)
+        set_rollouts_condition(self.status)
         self.reporter.report(self.status)
         if self.progress:
             self.progress(stage.name, state.global_step, self.status.total_steps, metrics)
@@ -435,6 +450,25 @@ class TrainingSession:
                 default=str,
             )
         )
+
+    def _rollout(
+        self, worker: Any, problems: list[Problem], samples: int, max_tokens: int
+    ) -> tuple[list[Trajectory], Any]:
+        """One rollout of a step's problems on the Ray worker: trajectories and their stats."""
+        import ray
+
+        trajectories, stats = ray.get(
+            worker.rollout.remote(
+                problems, samples, self.spec.algorithm.max_turns, max_tokens, self._sampling()
+            )
+        )
+        return trajectories, stats
+
+    def _retrying(self, retry: RolloutRetry) -> None:
+        """A step's rollout is thrown away for infrastructure failures: say so in status."""
+        self.status.rollout_retry = retry
+        set_rollouts_condition(self.status)
+        self.reporter.report(self.status)
 
     def _set_phase(self, phase: Phase, reason: Reason, message: str) -> None:
         if not self.world.main:

@@ -59,10 +59,12 @@ def trace_quality(trajectory: Trajectory) -> TraceQuality:
 def select_groups(
     trajectories: Sequence[Trajectory], config: AlgorithmConfig, rng: random.Random
 ) -> list[list[Trajectory]]:
-    """Group by problem and down-sample each group to group_size."""
+    """Group by problem and down-sample each group to group_size. Trajectories spoiled by an
+    engine, scheduler or sandbox failure enter no group: a group they thinned keeps the rest."""
     groups: dict[str, list[Trajectory]] = defaultdict(list)
     for trajectory in trajectories:
-        groups[trajectory.problem_id].append(trajectory)
+        if not trajectory.infra_failure:
+            groups[trajectory.problem_id].append(trajectory)
     selected: list[list[Trajectory]] = []
     for problem_id in sorted(groups):
         group = groups[problem_id]
@@ -91,8 +93,10 @@ def tool_error_rate(trajectories: Sequence[Trajectory]) -> float:
     return errors / calls if calls else 0.0
 
 
-def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """What every rollout says, before selection."""
+def rollout_metrics(rollouts: Sequence[Trajectory]) -> dict[str, float]:
+    """What the rollouts say of the policy, before selection; trajectories spoiled by an
+    infrastructure failure are counted apart (`spoiled`) and left out of the rest."""
+    trajectories = [t for t in rollouts if not t.infra_failure]
     rewards = [t.reward or 0.0 for t in trajectories]
     return {
         # The same while rewards are 0/1 (answer correctness, as in the paper); both are kept
@@ -109,7 +113,8 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "mean_response_tokens": _mean([t.response_length for t in trajectories]),
         "answered_rate": _mean([1.0 if t.answered else 0.0 for t in trajectories]),
         "truncated_rate": _mean([1.0 if t.truncated else 0.0 for t in trajectories]),
-        "rollouts": float(len(trajectories)),
+        "rollouts": float(len(rollouts)),
+        "spoiled": float(len(rollouts) - len(trajectories)),
     }
 
 

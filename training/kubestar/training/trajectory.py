@@ -59,7 +59,9 @@ class ToolCallRecord:
 
     @property
     def errored(self) -> bool:
-        return self.answered and self.status != "ok"
+        """The policy's code failed (or was rejected): the sandbox's own failures are not
+        the policy's errors (`infra_error`)."""
+        return self.answered and self.status != "ok" and not self.infra_error
 
     @property
     def parse_error(self) -> bool:
@@ -166,6 +168,24 @@ class Trajectory:
     def truncated(self) -> bool:
         return self.finish_reason in (MAX_LENGTH, MAX_TURNS)
 
+    # Infrastructure failures (kubestar.training.resilience) ----------------------------
+    @property
+    def infra_failure(self) -> str:
+        """What spoiled this trajectory, "" when nothing did: `generation` (an engine or the
+        scheduler failed) or `sandbox-STATUS` (the sandbox could not run a call). A spoiled
+        trajectory's reward says nothing about the policy: it is never trained on."""
+        if self.finish_reason == ERROR:
+            return "generation"
+        failed = next((call for call in self.tool_calls if call.infra_error), None)
+        return f"sandbox-{failed.status}" if failed else ""
+
+    @property
+    def infra_error_text(self) -> str:
+        if self.finish_reason == ERROR:
+            return self.error
+        failed = next((call for call in self.tool_calls if call.infra_error), None)
+        return (failed.message or failed.response) if failed else ""
+
     def check(self) -> None:
         """Raise AssertionError when the token lists disagree (a bug in the loop)."""
         n = len(self.response_ids)
@@ -192,6 +212,7 @@ class Trajectory:
             num_tool_calls=self.num_tool_calls,
             num_tool_errors=self.num_tool_errors,
             response_text=self.response_text,
+            infra_failure=self.infra_failure,
         )
         return data
 

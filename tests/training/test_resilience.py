@@ -1,0 +1,192 @@
+"""Infrastructure failures kept apart from the policy's mistakes: spoiled trajectories enter
+no group and no tool-error count, and a step with too many is rolled out again (against a
+real sandbox that is away for the first attempt) or fails the run."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kubestar.api.conditions import ConditionStatus, ConditionType, Reason
+from kubestar.api.trainer_contract import rollouts_condition, trainer_patch
+from kubestar.api.v1alpha1 import ResilienceSpec, RolloutRetry, TrainingRunStatus
+from kubestar.common.net import free_port
+from kubestar.operator.trainingrun import reported_status
+from kubestar.training.datasets import Problem
+from kubestar.training.executors import SandboxStreamExecutor
+from kubestar.training.generators import ScriptedGenerator
+from kubestar.training.progress import set_rollouts_condition
+from kubestar.training.resilience import InfrastructureFailure, count_spoiled, rollout_step
+from kubestar.training.rollout import AgentLoop, RolloutConfig, rollout
+from kubestar.training.trainer import AlgorithmConfig, rollout_metrics, select_groups
+from kubestar.training.trajectory import ANSWERED, ERROR, ToolCallRecord, Trajectory
+
+from tests.sandbox.support import ThreadedServer
+from tests.training.rollout_support import chat_tokenizer, start_sandbox, tool_call
+
+
+def trajectory(
+    name: str, reward: float, statuses: tuple[str, ...] = ("ok",), finish: str = ANSWERED
+) -> Trajectory:
+    made = Trajectory(name, "p0", 0, "q", "1", finish_reason=finish, reward=reward)
+    made.tool_calls = [
+        ToolCallRecord(turn=0, index=i, status=status, message=f"{status} message")
+        for i, status in enumerate(statuses)
+    ]
+    made.boxed_answers = ["1"] if finish == ANSWERED else []
+    return made
+
+
+def test_what_spoils_a_trajectory() -> None:
+    assert trajectory("a", 1.0, ("ok", "error", "timeout")).infra_failure == ""
+    assert trajectory("b", 0.0, ("ok", "internal")).infra_failure == "sandbox-internal"
+    assert trajectory("c", 0.0, ("queue-timeout",)).infra_failure == "sandbox-queue-timeout"
+    failed = trajectory("d", 0.0, (), finish=ERROR)
+    failed.error = "engine went away"
+    assert failed.infra_failure == "generation" and failed.infra_error_text == "engine went away"
+
+
+def test_the_sandboxs_failures_are_not_the_policys_tool_errors() -> None:
+    mixed = trajectory("a", 1.0, ("ok", "error", "internal"))
+    assert mixed.num_tool_calls == 3 and mixed.num_tool_errors == 1
+    clean = trajectory("b", 0.0, ("ok", "error"))
+    metrics = rollout_metrics([mixed, clean])
+    # Only the clean trajectory speaks for the policy: 1 error in 2 calls, reward 0.
+    assert metrics["spoiled"] == 1 and metrics["rollouts"] == 2
+    assert metrics["tool_error_rate"] == 0.5 and metrics["reward"] == 0.0
+
+
+@pytest.mark.parametrize("name", ["grpo-roc", "grpo"])
+def test_spoiled_trajectories_enter_no_group(name: str) -> None:
+    # The spoiled ones look like the best positives (reward 1, few calls): kept if counted.
+    spoiled = [trajectory(f"s{i}", 1.0, ("internal",)) for i in range(4)]
+    spoiled[0].finish_reason, spoiled[0].tool_calls = ERROR, []
+    clean = [trajectory(f"c{i}", float(i % 2), ("ok", "error")) for i in range(4)]
+    config = AlgorithmConfig(name=name, group_size=4, oversample_factor=2.0)
+    (group,) = select_groups(spoiled + clean, config, random.Random(0))
+    assert sorted(t.id for t in group) == ["c0", "c1", "c2", "c3"]
+
+
+def test_a_group_thinned_to_one_reward_is_dropped() -> None:
+    group = [trajectory("c0", 1.0), trajectory("c1", 1.0), trajectory("s0", 0.0, ("internal",))]
+    assert select_groups(group, AlgorithmConfig(name="grpo", group_size=3), random.Random(0)) == []
+
+
+class Attempts:
+    """Rollouts whose spoiled share is given per attempt (the last repeats)."""
+
+    def __init__(self, spoiled_per_attempt: list[int], size: int = 10) -> None:
+        self.plan = spoiled_per_attempt
+        self.size = size
+        self.calls = 0
+
+    def __call__(self) -> tuple[list[Trajectory], Any]:
+        spoiled = self.plan[min(self.calls, len(self.plan) - 1)]
+        self.calls += 1
+        made = [
+            trajectory(f"t{i}", 1.0, ("internal",) if i < spoiled else ("ok",))
+            for i in range(self.size)
+        ]
+        return made, {"attempt": self.calls}
+
+
+def test_a_spoiled_step_is_rolled_out_again_then_trained() -> None:
+    rollouts = Attempts([5, 1])
+    retries: list[RolloutRetry] = []
+    waits: list[float] = []
+    spec = ResilienceSpec(max_infra_failure_fraction=0.1, retry_backoff_seconds=7)
+    trajectories, stats, attempts = rollout_step(rollouts, spec, 3, retries.append, waits.append)
+    assert attempts == 2 and rollouts.calls == 2 and stats == {"attempt": 2}
+    assert count_spoiled(trajectories).spoiled == 1  # 10%: at the limit, trained
+    (retry,) = retries
+    assert (retry.step, retry.attempt, retry.spoiled, retry.trajectories) == (3, 1, 5, 10)
+    assert "sandbox-internal 5" in retry.message and "internal message" in retry.message
+    assert waits == [7]
+
+
+def test_after_the_last_attempt_the_run_fails() -> None:
+    rollouts = Attempts([3])
+    retries: list[RolloutRetry] = []
+    waits: list[float] = []
+    spec = ResilienceSpec(
+        max_infra_failure_fraction=0.25, rollout_attempts=3, retry_backoff_seconds=2
+    )
+    with pytest.raises(InfrastructureFailure, match="giving up"):
+        rollout_step(rollouts, spec, 1, retries.append, waits.append)
+    assert rollouts.calls == 3 and [r.attempt for r in retries] == [1, 2, 3]
+    assert waits == [2, 4]  # doubled; none after the last attempt
+
+
+def test_the_fraction_is_the_limit() -> None:
+    spec = ResilienceSpec(max_infra_failure_fraction=0.0, rollout_attempts=1)
+    with pytest.raises(InfrastructureFailure):
+        rollout_step(Attempts([1]), spec, 1, lambda _: None, lambda _: None)
+    loose = ResilienceSpec(max_infra_failure_fraction=0.5, rollout_attempts=1)
+    assert rollout_step(Attempts([5]), loose, 1, lambda _: None, lambda _: None)[2] == 1
+
+
+def test_the_status_says_why_and_clears() -> None:
+    retry = RolloutRetry(step=4, attempt=1, attempts=4, spoiled=9, trajectories=32, message="m")
+    status = TrainingRunStatus(step=3, rollout_retry=retry)
+    # The trainer's patch carries it; the operator reads it back into the same condition.
+    body = trainer_patch(status)["status"]
+    assert body["rolloutRetry"]["spoiled"] == 9
+    derived = rollouts_condition(reported_status({"status": body}))
+    assert derived is not None
+    assert (derived.type, derived.status, derived.reason, derived.message) == (
+        ConditionType.ROLLOUTS_HEALTHY,
+        ConditionStatus.FALSE,
+        Reason.INFRASTRUCTURE_FAILURES,
+        "m",
+    )
+    status.rollout_retry = None
+    status.step = 4
+    assert trainer_patch(status)["status"]["rolloutRetry"] is None  # a merge patch removes it
+    set_rollouts_condition(status)
+    (healthy,) = [c for c in status.conditions if c.type == ConditionType.ROLLOUTS_HEALTHY]
+    assert healthy.status == ConditionStatus.TRUE and healthy.reason == Reason.HEALTHY
+    assert rollouts_condition(TrainingRunStatus()) is None  # nothing before the first step
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> Iterator[ThreadedServer]:
+    server = start_sandbox(executors=2)
+    yield server
+    server.stop()
+
+
+def test_a_sandbox_away_for_the_first_attempt_costs_a_rollout_not_the_step(
+    sandbox: ThreadedServer,
+) -> None:
+    """A real sandbox: the first attempt's calls go where nothing listens (as while a
+    dispatcher pod restarts), the second's to the server; the step trains on the second."""
+    endpoints = [f"127.0.0.1:{free_port()}", sandbox.endpoint]
+    problems = [Problem(f"p{i}", f"What is {i} + 1?", str(i + 1)) for i in range(3)]
+
+    def attempt() -> tuple[list[Trajectory], Any]:
+        endpoint = endpoints.pop(0)
+
+        async def run() -> tuple[list[Trajectory], Any]:
+            tools = SandboxStreamExecutor(endpoint, deadline=2.0)
+            generator = ScriptedGenerator(
+                chat_tokenizer(),
+                lambda _id, turn, context: tool_call("print(7)") if turn == 0 else "\\boxed{1}",
+            )
+            loop = AgentLoop(generator, tools, chat_tokenizer(), RolloutConfig())
+            try:
+                return await rollout(loop, problems, samples=2)
+            finally:
+                await tools.close()
+
+        return asyncio.run(run())
+
+    retries: list[RolloutRetry] = []
+    spec = ResilienceSpec(retry_backoff_seconds=0)
+    trajectories, _, attempts = rollout_step(attempt, spec, 1, retries.append)
+    assert attempts == 2 and [r.spoiled for r in retries] == [6]
+    assert "sandbox-internal 6" in retries[0].message
+    assert all(t.tool_calls[0].status == "ok" and not t.infra_failure for t in trajectories)
+    assert rollout_metrics(trajectories)["spoiled"] == 0

@@ -1,0 +1,111 @@
+"""Infrastructure failures kept apart from the policy's mistakes.
+
+A trajectory is spoiled when an engine or the rollout scheduler failed while generating it
+(finish reason `error`) or when the sandbox could not run one of its calls (`internal`,
+`queue-timeout`): its reward says nothing about the policy, so it never enters a group, and
+its tool errors never reach Resample-on-Correct's penalty. When more than
+`spec.resilience.maxInfraFailureFraction` of a step's trajectories are spoiled, the step is
+rolled out again (after a back-off that doubles) instead of trained on; after
+`rolloutAttempts` the run fails with reason InfrastructureFailures.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kubestar.api.v1alpha1 import ResilienceSpec, RolloutRetry
+from kubestar.common.errors import KubestarError
+from kubestar.training.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
+
+MAX_BACKOFF_SECONDS = 600.0
+
+
+class InfrastructureFailure(KubestarError):
+    """A step's rollouts stayed spoiled by infrastructure failures through every attempt."""
+
+
+@dataclass(frozen=True)
+class SpoiledCount:
+    """How many of a rollout's trajectories infrastructure failures spoiled, and by what."""
+
+    trajectories: int
+    spoiled: int
+    causes: dict[str, int]  # cause (Trajectory.infra_failure) -> trajectories
+    first_error: str
+
+    @property
+    def fraction(self) -> float:
+        return self.spoiled / self.trajectories if self.trajectories else 0.0
+
+    def describe(self) -> str:
+        causes = ", ".join(f"{cause} {n}" for cause, n in sorted(self.causes.items()))
+        text = f"{self.spoiled} of {self.trajectories} trajectories spoiled ({causes})"
+        return f"{text}; first: {self.first_error}" if self.first_error else text
+
+
+def count_spoiled(trajectories: Sequence[Trajectory]) -> SpoiledCount:
+    spoiled = [t for t in trajectories if t.infra_failure]
+    return SpoiledCount(
+        trajectories=len(trajectories),
+        spoiled=len(spoiled),
+        causes=dict(Counter(t.infra_failure for t in spoiled)),
+        first_error=next((t.infra_error_text for t in spoiled if t.infra_error_text), "")[:300],
+    )
+
+
+def backoff_seconds(attempt: int, base: float) -> float:
+    """Wait after failed attempt `attempt` (1, 2, ...): base, 2 base, 4 base, ... capped."""
+    return min(base * 2.0 ** (attempt - 1), MAX_BACKOFF_SECONDS)
+
+
+def rollout_step(
+    rollout: Callable[[], tuple[list[Trajectory], Any]],
+    spec: ResilienceSpec,
+    step: int,
+    on_retry: Callable[[RolloutRetry], None],
+    sleep: Callable[[float], None] = time.sleep,
+) -> tuple[list[Trajectory], Any, int]:
+    """Roll out step `step` until few enough trajectories are spoiled: the rollout, its
+    stats and the attempts it took. `on_retry` hears of each attempt that is thrown away
+    (and of the last one before InfrastructureFailure is raised)."""
+    for attempt in range(1, spec.rollout_attempts + 1):
+        trajectories, stats = rollout()
+        count = count_spoiled(trajectories)
+        if count.fraction <= spec.max_infra_failure_fraction:
+            return trajectories, stats, attempt
+        last = attempt == spec.rollout_attempts
+        limit = f"more than maxInfraFailureFraction {spec.max_infra_failure_fraction:g}"
+        if last:
+            message = (
+                f"step {step}: rollout attempt {attempt} of {attempt}: {count.describe()}, "
+                f"{limit}: giving up (check the RolloutFleet's engines and scheduler and the "
+                "SandboxPool; spec.resilience sets the limits)"
+            )
+        else:
+            wait = backoff_seconds(attempt, spec.retry_backoff_seconds)
+            message = (
+                f"step {step}: rollout attempt {attempt} of {spec.rollout_attempts}: "
+                f"{count.describe()}, {limit}: rolling out again in {wait:g} s"
+            )
+        log.warning("%s", message)
+        on_retry(
+            RolloutRetry(
+                step=step,
+                attempt=attempt,
+                attempts=spec.rollout_attempts,
+                spoiled=count.spoiled,
+                trajectories=count.trajectories,
+                message=message,
+            )
+        )
+        if last:
+            raise InfrastructureFailure(message)
+        sleep(wait)
+    raise AssertionError("unreachable: rollout_attempts >= 1")
