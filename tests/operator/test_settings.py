@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
 from kubestar.common import kube
-from kubestar.operator.leader import MICRO, expired
 from kubestar.operator.main import kopf_login
 from kubestar.operator.settings import OperatorSettings
 from pydantic import ValidationError
@@ -52,15 +50,6 @@ def test_kopf_logs_in_with_the_operator_clients_credentials(tmp_path: Path) -> N
     assert info.server == "https://127.0.0.1:6443" and info.ca_path == "/ca.crt"
     assert info.scheme == "Bearer" and info.token == "rotated"
     assert info.default_namespace == "default" and info.insecure is None
-
-
-def test_lease_expiry() -> None:
-    now = datetime.now(UTC)
-    fresh = {"renewTime": (now - timedelta(seconds=3)).strftime(MICRO), "leaseDurationSeconds": 15}
-    stale = {"renewTime": (now - timedelta(seconds=30)).strftime(MICRO), "leaseDurationSeconds": 15}
-    assert not expired(fresh, now)
-    assert expired(stale, now)
-    assert expired({}, now)
 
 
 def test_every_default_image_names_a_version() -> None:
