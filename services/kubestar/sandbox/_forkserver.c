@@ -438,8 +438,9 @@ static int has_children(void) {
 }
 
 /* Without a PID namespace: SIGKILL every direct child and its process group (orphans
- * re-parent here: subreaper). Returns how many children it found, -1 if /proc is unreadable. */
-static int kill_children_of(pid_t parent) {
+ * re-parent here: subreaper), noting the first `capacity` of them in `killed`. Returns how
+ * many children it found, -1 if /proc is unreadable. */
+static int kill_children_of(pid_t parent, pid_t *killed, int capacity) {
     DIR *proc = opendir("/proc");
     if (proc == NULL) {
         return -1;
@@ -469,6 +470,9 @@ static int kill_children_of(pid_t parent) {
             pid_t pid = (pid_t)atoi(entry->d_name);
             kill_quietly(-pid);
             kill_quietly(pid);
+            if (found < capacity) {
+                killed[found] = pid;
+            }
             found++;
         }
     }
@@ -490,24 +494,30 @@ static void kill_leftovers(server_t *server) {
     }
     /* Level by level: a grandchild in a session of its own whose parent still lived is a
      * child of this subreaper once that parent is killed, and killed on the next pass; so is
-     * a process forked while a pass ran. Each pass that finds children waits for one of them
-     * (SIGKILLed: it dies), and the call's processes are finite (RLIMIT_NPROC). */
+     * a process forked while a pass ran. Each pass waits for the children it killed (and
+     * only those: a grandchild that has just become a child is alive until the next pass
+     * kills it, so waiting for any child could wait for ever), and the call's processes are
+     * finite (RLIMIT_NPROC). */
+    enum { TRACKED = 256 };
+    pid_t killed[TRACKED];
     for (;;) {
-        int found = kill_children_of(getpid());
-        while (waitpid(-1, NULL, WNOHANG) > 0) {
-        }
+        int found = kill_children_of(getpid(), killed, TRACKED);
         if (found < 0) { /* no /proc: wait for what the call's group kill reached */
             while (waitpid(-1, NULL, 0) >= 0 || errno == EINTR) {
             }
             return;
         }
         if (found == 0) {
+            while (waitpid(-1, NULL, WNOHANG) > 0) {
+            }
             if (waitpid(-1, NULL, WNOHANG) < 0 && errno == ECHILD) {
                 return;
             }
             continue; /* a child that appeared after the pass: the next one finds it */
         }
-        while (waitpid(-1, NULL, 0) < 0 && errno == EINTR) {
+        for (int i = 0; i < (found < TRACKED ? found : TRACKED); i++) {
+            while (waitpid(killed[i], NULL, 0) < 0 && errno == EINTR) {
+            }
         }
     }
 }
