@@ -254,7 +254,10 @@ def test_model_from_a_pvc() -> None:
 def test_scheduler_is_wired_to_the_engines() -> None:
     fleet = parent("RolloutFleet", "f")
     spec = RolloutFleetSpec.model_validate(
-        {"scheduler": {"policy": "least-requests"}, "engine": {"port": 8100}}
+        {
+            "scheduler": {"policy": "least-requests", "weightsReloadTimeoutSeconds": 120},
+            "engine": {"port": 8100},
+        }
     )
     scheduler = build_fleet.scheduler_deployment(fleet, spec, OperatorSettings())
     command = containers(scheduler)[0]["command"]
@@ -267,6 +270,7 @@ def test_scheduler_is_wired_to_the_engines() -> None:
         assert engine_labels[key] == value
     assert command[command.index("--k8s-port") + 1] == "8100"
     assert command[command.index("--policy") + 1] == "least-requests"
+    assert command[command.index("--weights-reload-timeout") + 1] == "120"
     assert scheduler["spec"]["template"]["spec"]["serviceAccountName"] == "f-scheduler"
     role = build_fleet.scheduler_role(fleet)
     assert role["rules"] == [

@@ -24,6 +24,7 @@ from kubestar.api.v1alpha1 import (
 from kubestar.operator import conditions as cond
 from kubestar.operator import rolloutfleet, sandboxpool
 from kubestar.operator import trainingrun as tr
+from kubestar.operator.reconciler import EngineProbe
 from kubestar.operator.rolloutfleet import fleet_status
 from kubestar.operator.sandboxpool import pool_status
 from kubestar.operator.settings import OperatorSettings
@@ -227,7 +228,7 @@ def test_fleet_status_reports_engines_and_kv_capacity() -> None:
         {"status": {"readyReplicas": 2}},
         {"status": {"readyReplicas": 1}},
         engines,
-        {"f-engine-0": (4096, 0.25), "f-engine-1": (8192, 0.0)},
+        {"f-engine-0": EngineProbe(4096, 0.25), "f-engine-1": EngineProbe(8192, 0.0)},
         OperatorSettings(),
     )
     assert ready.status == "True"
@@ -238,6 +239,33 @@ def test_fleet_status_reports_engines_and_kv_capacity() -> None:
         "kvCapacityTokens": 4096,
         "kvUsage": 0.25,
     }
+    # The scheduler took one out (its reload hung): named, and the fleet still serves.
+    stuck = "reloading weights v3 from /w did not finish in 600 s"
+    probes = {"f-engine-0": EngineProbe(4096, 0.25), "f-engine-1": EngineProbe(8192, 0.0, stuck)}
+    status, ready = fleet_status(
+        body,
+        spec,
+        {"status": {"readyReplicas": 2}},
+        {"status": {"readyReplicas": 1}},
+        engines,
+        probes,
+        OperatorSettings(),
+    )
+    assert (ready.status, ready.reason) == ("True", "EnginesTakenOut")
+    assert ready.message == f"taken out by the scheduler: f-engine-1: {stuck}"
+    assert status["engines"][1]["takenOut"] == stuck
+    # Both out: the fleet does not serve.
+    probes["f-engine-0"] = EngineProbe(4096, 0.25, stuck)
+    _, ready = fleet_status(
+        body,
+        spec,
+        {"status": {"readyReplicas": 2}},
+        {"status": {"readyReplicas": 1}},
+        engines,
+        probes,
+        OperatorSettings(),
+    )
+    assert (ready.status, ready.reason) == ("False", "EnginesTakenOut")
 
 
 SPEC = TrainingRunSpec.model_validate(

@@ -32,11 +32,16 @@ async def metrics(_: web.Request) -> web.Response:
     return web.Response(text=METRICS)
 
 
+async def models(_: web.Request) -> web.Response:
+    return web.json_response({"data": [{"id": "policy", "max_model_len": 1024}]})
+
+
 @pytest.fixture
 async def engine() -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
@@ -60,13 +65,15 @@ async def test_probe_reads_engine_capacity_from_the_scheduler(engine: str) -> No
                 capacities = await scheduler_probe(f"127.0.0.1:{port}")
             except Exception:  # not listening yet
                 capacities = None
-            if capacities and capacities.get("fleet-engine-abc", (0, 0.0))[0]:
+            probe = (capacities or {}).get("fleet-engine-abc")
+            if probe and probe.capacity_tokens and not probe.taken_out:
                 break
             await asyncio.sleep(0.1)
         assert capacities is not None
-        tokens, usage = capacities["fleet-engine-abc"]
-        assert tokens == 257 * 16
-        assert usage == pytest.approx(0.25, abs=0.01)
+        probe = capacities["fleet-engine-abc"]
+        assert probe.capacity_tokens == 257 * 16
+        assert probe.kv_usage == pytest.approx(0.25, abs=0.01)
+        assert probe.taken_out == ""
     finally:
         process.terminate()
         await asyncio.wait_for(process.wait(), 30)

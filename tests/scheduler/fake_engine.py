@@ -50,6 +50,8 @@ class FakeEngine:
     requests: list[tuple[int, int]] = field(default_factory=list)
     max_running: int = 0
     reloads: list[str] = field(default_factory=list)
+    # Set: a weight reload answers only after this many seconds (a stuck reload).
+    reload_delay: float = 0.0
     paused: bool = False
     port: int = 0
     # Set: like an engine behind kubestar.engine.auth_middleware, every path but /health and
@@ -245,6 +247,8 @@ class FakeEngine:
         path = body["kwargs"]["weights_path"]
         if path.endswith("missing"):
             return web.json_response({"error": {"message": "no such folder"}}, status=500)
+        if self.reload_delay:
+            await asyncio.sleep(self.reload_delay)
         self.weights = path
         self.reloads.append(path)
         return web.json_response({"results": [None]})

@@ -201,6 +201,28 @@ async def test_a_failed_engine_comes_back_with_the_current_weights(
     assert {r.weights_version for r in responses} == {1}
 
 
+async def test_an_engine_whose_reload_hangs_is_taken_out_and_named(
+    fakes: list[FakeEngine], make_scheduler: MakeScheduler
+) -> None:
+    scheduler = await make_scheduler(fakes, weights_reload_timeout=0.5)
+    fakes[1].reload_delay = 30.0  # stuck
+    answer = await asyncio.wait_for(scheduler.update_weights("/weights/step-1", 1), 10)
+    # The step goes on with the engine that loaded the weights.
+    assert list(answer.engines) == ["e0"]
+    status = scheduler.status()
+    assert (status.weights_version, status.weights_path) == (1, "/weights/step-1")
+    stuck = status.engines[1]
+    assert not stuck.healthy
+    assert stuck.error == "reloading weights v1 from /weights/step-1 did not finish in 0.5 s"
+    assert {r.engine for r in await batch(scheduler, 4)} == {"e0"}
+    # Unstuck, it loads the current weights before its first turn and takes turns again.
+    fakes[1].reload_delay = 0.0
+    await wait_for(lambda: scheduler.status().engines[1].healthy)
+    assert scheduler.status().engines[1].error == ""
+    assert fakes[1].weights == "/weights/step-1"
+    assert {r.weights_version for r in await batch(scheduler, 8)} == {1}
+
+
 async def test_engines_added_and_removed_at_run_time(
     fakes: list[FakeEngine], make_scheduler: MakeScheduler
 ) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -15,16 +15,26 @@ from kubestar.api.trainer_contract import rollouts_condition, trainer_patch
 from kubestar.api.v1alpha1 import ResilienceSpec, RolloutRetry, TrainingRunStatus
 from kubestar.common.net import free_port
 from kubestar.operator.trainingrun import reported_status
+from kubestar.scheduler.client import SchedulerClient
+from kubestar.scheduler.server import SchedulerServer, ServerConfig
 from kubestar.training.datasets import Problem
 from kubestar.training.executors import SandboxStreamExecutor
 from kubestar.training.generators import ScriptedGenerator
 from kubestar.training.progress import set_rollouts_condition
-from kubestar.training.resilience import InfrastructureFailure, count_spoiled, rollout_step
+from kubestar.training.resilience import (
+    InfrastructureFailure,
+    count_spoiled,
+    ensure_weights,
+    push_weights,
+    rollout_step,
+)
 from kubestar.training.rollout import AgentLoop, RolloutConfig, rollout
 from kubestar.training.trainer import AlgorithmConfig, rollout_metrics, select_groups
 from kubestar.training.trajectory import ANSWERED, ERROR, ToolCallRecord, Trajectory
 
 from tests.sandbox.support import ThreadedServer
+from tests.scheduler.conftest import fast_config
+from tests.scheduler.fake_engine import FakeEngine
 from tests.training.rollout_support import chat_tokenizer, start_sandbox, tool_call
 
 
@@ -190,3 +200,105 @@ def test_a_sandbox_away_for_the_first_attempt_costs_a_rollout_not_the_step(
     assert "sandbox-internal 6" in retries[0].message
     assert all(t.tool_calls[0].status == "ok" and not t.infra_failure for t in trajectories)
     assert rollout_metrics(trajectories)["spoiled"] == 0
+
+
+# --- Weights through a scheduler that restarts, goes away or hangs ---------------------------
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[list[FakeEngine]]:
+    started = [await FakeEngine().start(), await FakeEngine().start()]
+    yield started
+    for engine in started:
+        await engine.stop()
+
+
+async def start_scheduler(engines: list[FakeEngine], port: int, **config: Any) -> SchedulerServer:
+    server = SchedulerServer(
+        ServerConfig(
+            listen=f"127.0.0.1:{port}",
+            engines=[(f"e{i}", e.url) for i, e in enumerate(engines)],
+            scheduler=fast_config(**config),
+            drain_seconds=1.0,
+        )
+    )
+    await server.start()
+    return server
+
+
+async def test_a_restarted_scheduler_gets_the_latest_weights_again(
+    engines: list[FakeEngine],
+) -> None:
+    port = free_port()
+    spec = ResilienceSpec(retry_backoff_seconds=0)
+    server = await start_scheduler(engines, port)
+    async with SchedulerClient(f"127.0.0.1:{port}", timeout=10) as client:
+        await push_weights(client, "/weights/v000003", 3, spec)
+        assert not await ensure_weights(client, "/weights/v000003", 3, spec)
+        await server.stop(grace_seconds=1.0)
+        for engine in engines:  # restarted with the scheduler's pods, as engines may be
+            engine.weights = "base"
+        server = await start_scheduler(engines, port)
+        try:
+            assert (await client.status()).weights_version == 0  # it forgot
+            assert await ensure_weights(client, "/weights/v000003", 3, spec)
+            status = await client.status()
+            assert (status.weights_version, status.weights_path) == (3, "/weights/v000003")
+            assert [e.weights for e in engines] == ["/weights/v000003"] * 2
+        finally:
+            await server.stop(grace_seconds=1.0)
+
+
+async def test_a_push_waits_for_a_scheduler_that_comes_back(engines: list[FakeEngine]) -> None:
+    port = free_port()
+    started: list[SchedulerServer] = []
+    waits: list[float] = []
+
+    async def back_after(seconds: float) -> None:
+        """The back-off, during which the scheduler's pod comes back. (It lasts longer than
+        gRPC's 1 s reconnect back-off: the client's channel tries to connect again.)"""
+        waits.append(seconds)
+        if not started:
+            started.append(await start_scheduler(engines, port))
+        await asyncio.sleep(seconds)
+
+    spec = ResilienceSpec(retry_backoff_seconds=2, weights_update_attempts=3)
+    try:
+        async with SchedulerClient(f"127.0.0.1:{port}", timeout=10) as client:
+            answer = await push_weights(client, "/weights/v000001", 1, spec, sleep=back_after)
+        assert answer.version == 1 and sorted(answer.engines) == ["e0", "e1"]
+        assert waits == [2]
+    finally:
+        for server in started:
+            await server.stop(grace_seconds=1.0)
+
+
+async def test_a_scheduler_that_stays_away_fails_the_run_naming_it() -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    spec = ResilienceSpec(retry_backoff_seconds=0, weights_update_attempts=2)
+    async with SchedulerClient(endpoint, timeout=10) as client:
+        with pytest.raises(InfrastructureFailure) as failure:
+            await push_weights(client, "/weights/v000001", 1, spec)
+    assert endpoint in str(failure.value) and "UNAVAILABLE" in str(failure.value)
+    assert "attempt 2 of 2: giving up" in str(failure.value)
+
+
+async def test_a_push_past_its_deadline_is_tried_again_then_fails(
+    engines: list[FakeEngine],
+) -> None:
+    """Every engine's reload hangs (and the scheduler would wait 60 s for it): each push
+    gives up at its deadline and the next one is tried."""
+    for engine in engines:
+        engine.reload_delay = 30.0
+    port = free_port()
+    server = await start_scheduler(engines, port, weights_reload_timeout=60.0)
+    spec = ResilienceSpec(
+        retry_backoff_seconds=0, weights_update_seconds=0.5, weights_update_attempts=2
+    )
+    try:
+        async with SchedulerClient(f"127.0.0.1:{port}", timeout=10) as client:
+            with pytest.raises(InfrastructureFailure, match="DEADLINE_EXCEEDED") as failure:
+                await asyncio.wait_for(push_weights(client, "/weights/v000001", 1, spec), 20)
+        assert "attempt 2 of 2" in str(failure.value)
+    finally:
+        await server.stop(grace_seconds=0.5)

@@ -106,6 +106,9 @@ class Reason(StrEnum):
     FAILED_CREATE = "FailedCreate"
     # A container exited with a non-zero code.
     CONTAINER_ERROR = "Error"
+    # The rollout scheduler took engines out of rotation although their pods are ready (a
+    # weight reload that did not finish in time, say): the message names each and why.
+    ENGINES_TAKEN_OUT = "EnginesTakenOut"
     # A sandbox worker cannot set up the isolation spec.isolation asks for (its termination
     # message, passed on, names the namespace, the failed system call and why).
     ISOLATION_UNAVAILABLE = "IsolationUnavailable"

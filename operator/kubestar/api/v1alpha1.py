@@ -269,6 +269,14 @@ class SchedulerSpec(Spec):
         le=65535,
         description="TCP port of the scheduler's gRPC service (status.schedulerEndpoint).",
     )
+    weights_reload_timeout_seconds: float = Field(
+        600.0,
+        gt=0,
+        le=86400,
+        description="An engine that has not loaded a step's new weights after this many "
+        "seconds is taken out (named in the fleet's Ready condition) and loads them when it "
+        "comes back; the other engines go on with the new weights.",
+    )
 
 
 class RolloutFleetSpec(Spec):
@@ -647,8 +655,26 @@ class ResilienceSpec(Spec):
         30.0,
         ge=0,
         le=600,
-        description="Wait before a step is rolled out again, doubled for each further "
-        "attempt (at most 10 minutes): time for a restarted pod to come back.",
+        description="Wait before a step is rolled out again or its weights are pushed again, "
+        "doubled for each further attempt (at most 10 minutes): time for a restarted pod to "
+        "come back.",
+    )
+    weights_update_seconds: float = Field(
+        900.0,
+        gt=0,
+        le=86400,
+        description="Deadline of one push of a step's weights through the rollout scheduler "
+        "(every engine reloading them); a push that passes it, or finds the scheduler away, "
+        "is tried again.",
+    )
+    weights_update_attempts: int = Field(
+        4,
+        ge=1,
+        le=100,
+        description="Pushes of one step's weights at most; after the last the run fails "
+        "(reason InfrastructureFailures). Before each rollout the trainer also checks that "
+        "the scheduler still serves the latest weights (a restarted scheduler does not) and "
+        "pushes them again if not.",
     )
 
 
@@ -857,6 +883,12 @@ class EngineStatus(Spec):
     )
     kv_usage: float | None = Field(
         None, description="Fraction of the engine's KV cache in use, from 0 to 1."
+    )
+    taken_out: str = Field(
+        "",
+        description="Why the rollout scheduler gives this engine no turns although its pod "
+        "may be ready (its last failure, e.g. a weight reload that did not finish in "
+        "scheduler.weightsReloadTimeoutSeconds); empty while it takes turns.",
     )
 
 

@@ -384,6 +384,8 @@ def scheduler_deployment(
             f"{spec.scheduler.metrics_interval_seconds:g}",
             "--segment-tokens",
             str(spec.scheduler.segment_tokens),
+            "--weights-reload-timeout",
+            f"{spec.scheduler.weights_reload_timeout_seconds:g}",
             "--k8s-selector",
             selector,
             "--k8s-namespace",

@@ -29,7 +29,14 @@ from kubestar.api.v1alpha1 import API_VERSION, GROUP, VERSION
 from kubestar.common import kube as k
 from kubestar.operator import metrics, rolloutfleet, sandboxpool, trainingrun
 from kubestar.operator import objects as o
-from kubestar.operator.reconciler import Context, Key, Reconcile, WorkQueue, no_probe
+from kubestar.operator.reconciler import (
+    Context,
+    EngineProbe,
+    Key,
+    Reconcile,
+    WorkQueue,
+    no_probe,
+)
 from kubestar.operator.settings import OperatorSettings
 
 log = logging.getLogger("kubestar.operator")
@@ -76,9 +83,9 @@ def kopf_login(connection: k.Connection) -> kopf.ConnectionInfo:
     )
 
 
-async def scheduler_probe(endpoint: str, token: str = "") -> dict[str, tuple[int, float]] | None:
-    """Per-engine KV capacity from the fleet's scheduler (GetSchedulerStatus), asked with
-    the installation's token."""
+async def scheduler_probe(endpoint: str, token: str = "") -> dict[str, EngineProbe] | None:
+    """Per-engine KV capacity, and why an engine was taken out, from the fleet's scheduler
+    (GetSchedulerStatus), asked with the installation's token."""
     from kubestar.scheduler.client import SchedulerClient
 
     client = SchedulerClient(endpoint, timeout=2.0, token=token)
@@ -86,7 +93,10 @@ async def scheduler_probe(endpoint: str, token: str = "") -> dict[str, tuple[int
         status = await client.status()
     finally:
         await client.close()
-    return {e.name: (int(e.capacity_tokens), float(e.kv_usage)) for e in status.engines}
+    return {
+        e.name: EngineProbe(int(e.capacity_tokens), float(e.kv_usage), e.error)
+        for e in status.engines
+    }
 
 
 @dataclass

@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from kubestar.api.conditions import Condition, ConditionStatus
 from kubestar.common import kube as k
@@ -81,11 +81,20 @@ class Applied:
     message: str = ""
 
 
-# Scheduler probe: endpoint -> {engine name: (capacity tokens, kv usage)}, or None.
-Probe = Callable[[str], Awaitable[dict[str, tuple[int, float]] | None]]
+class EngineProbe(NamedTuple):
+    """One engine as the fleet's scheduler sees it."""
+
+    capacity_tokens: int
+    kv_usage: float
+    # Why the scheduler takes no turns to it (its last failure); "" while it takes turns.
+    taken_out: str = ""
 
 
-async def no_probe(endpoint: str) -> dict[str, tuple[int, float]] | None:
+# Scheduler probe: endpoint -> {engine name: what the scheduler says of it}, or None.
+Probe = Callable[[str], Awaitable[dict[str, EngineProbe] | None]]
+
+
+async def no_probe(endpoint: str) -> dict[str, EngineProbe] | None:
     return None
 
 

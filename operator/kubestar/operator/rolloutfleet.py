@@ -16,7 +16,7 @@ from kubestar.common import kube as k
 from kubestar.operator import build_fleet
 from kubestar.operator import conditions as cond
 from kubestar.operator import objects as o
-from kubestar.operator.reconciler import ChildConflict, Context
+from kubestar.operator.reconciler import ChildConflict, Context, EngineProbe
 from kubestar.operator.sandboxpool import ready_replicas, validation_message
 from kubestar.operator.settings import OperatorSettings
 from pydantic import ValidationError
@@ -24,7 +24,7 @@ from pydantic import ValidationError
 KIND = "RolloutFleet"
 log = logging.getLogger(__name__)
 
-Capacities = Mapping[str, tuple[int, float]]
+Capacities = Mapping[str, EngineProbe]
 
 
 def fleet_spec(fleet: Mapping[str, Any], settings: OperatorSettings) -> RolloutFleetSpec:
@@ -46,7 +46,10 @@ def engine_statuses(
         name = pod["metadata"]["name"]
         entry: dict[str, Any] = {"name": name, "ready": cond.pod_ready(pod)}
         if capacities and name in capacities:
-            entry["kvCapacityTokens"], entry["kvUsage"] = capacities[name]
+            probe = capacities[name]
+            entry["kvCapacityTokens"], entry["kvUsage"] = probe.capacity_tokens, probe.kv_usage
+            if probe.taken_out:
+                entry["takenOut"] = probe.taken_out
         engines.append(entry)
     return engines
 
@@ -68,9 +71,21 @@ def fleet_status(
     per_engine = engine_statuses(pods, capacities)
     known = [e["kvCapacityTokens"] for e in per_engine if e.get("kvCapacityTokens") is not None]
     reason, message = cond.summarize(cond.diagnose(pods))
+    out = [e for e in per_engine if e.get("takenOut")]
     if spec.replicas == 0:
         ready = condition(
             ConditionType.READY, False, Reason.NO_REPLICAS, "spec.replicas is 0", generation
+        )
+    elif ready_engines >= spec.replicas and scheduler_ready and out:
+        # The pods are ready, but the scheduler took engines out (a weight reload that did
+        # not finish, say): the fleet serves while one of them still takes turns.
+        ready = condition(
+            ConditionType.READY,
+            len(out) < len(per_engine),
+            Reason.ENGINES_TAKEN_OUT,
+            "taken out by the scheduler: "
+            + "; ".join(f"{e['name']}: {e['takenOut']}" for e in out),
+            generation,
         )
     elif ready_engines >= spec.replicas and scheduler_ready:
         ready = condition(

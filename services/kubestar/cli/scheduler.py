@@ -77,6 +77,13 @@ def scheduler() -> None:
     "--request-timeout", default=3600.0, show_default=True, help="Longest turn, in seconds."
 )
 @click.option(
+    "--weights-reload-timeout",
+    default=600.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds an engine may take to load new weights before it is taken out.",
+)
+@click.option(
     "--k8s-selector",
     default="",
     help="Also discover engines: ready pods with these labels (in a pod: its service account; "
@@ -104,6 +111,7 @@ def serve_command(
     segment_tokens: int,
     max_attempts: int,
     request_timeout: float,
+    weights_reload_timeout: float,
     k8s_selector: str,
     k8s_namespace: str,
     k8s_port: int,
@@ -131,6 +139,7 @@ def serve_command(
             segment_tokens=segment_tokens,
             max_attempts=max_attempts,
             request_timeout=request_timeout,
+            weights_reload_timeout=weights_reload_timeout,
             engine_token=token,
         ),
         discovery=DiscoveryConfig(k8s_selector, k8s_namespace, k8s_port, k8s_interval)

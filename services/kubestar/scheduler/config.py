@@ -31,6 +31,9 @@ class SchedulerConfig:
     # kv-aware: the most new tokens one admission reserves room for; a longer turn runs in
     # segments of this size (0: the whole turn at once). Best a multiple of the block size.
     segment_tokens: int = 256
+    # An engine whose weight reload has not finished after this many seconds is taken out
+    # (and loads the weights again when it comes back): one stuck engine cannot hang a step.
+    weights_reload_timeout: float = 600.0
     # The bearer token the engines require (their kubestar.engine.auth_middleware); "" sends
     # none.
     engine_token: str = field(default="", repr=False)

@@ -155,6 +155,8 @@ class EngineState:
     released_since_sample: int = 0
     trajectories: set[str] = field(default_factory=set)
     weights_version: int = 0
+    # Why it takes no turns: its last failure ("" once it is up again).
+    error: str = ""
     # Tokens per second one sequence decodes at here, from the turns it finished (0: unknown).
     decode_rate: float = 0.0
 

@@ -158,6 +158,7 @@ class Engines:
     def failed(self, engine: Engine, error: BaseException) -> None:
         """Take a failed engine out: its turns go elsewhere, it is probed until it answers."""
         state = engine.state
+        state.error = str(error)[:300] or type(error).__name__
         if state.healthy:
             state.healthy = False
             self.metrics.engine_failures.labels(state.name).inc()
@@ -219,9 +220,11 @@ class Engines:
                     "engine answers but could not be brought up",
                     extra={"fields": {"engine": state.name, "error": str(error)[:500]}},
                 )
+                state.error = str(error)[:300] or type(error).__name__
                 state.probed = True
                 return
             state.healthy = True
+            state.error = ""
             log.info(
                 "engine up",
                 extra={

@@ -46,6 +46,7 @@ def status_response(
     admitted: int,
     retried: int,
     weights_version: int,
+    weights_path: str = "",
 ) -> pb.GetSchedulerStatusResponse:
     return pb.GetSchedulerStatusResponse(
         policy=POLICY_TO_PROTO[policy],
@@ -61,6 +62,7 @@ def status_response(
                 reserved_tokens=s.reserved_tokens,
                 in_flight=s.in_flight,
                 preemptions=s.preemptions,
+                error="" if s.admitting else s.error,
             )
             for s in engines
         ],
@@ -68,6 +70,7 @@ def status_response(
         admitted=admitted,
         retried=retried,
         weights_version=weights_version,
+        weights_path=weights_path,
     )
 
 

@@ -115,7 +115,7 @@ class Scheduler:
         # Only kv-aware reserves room, so only it gains from segments.
         self.segment_tokens = self.config.segment_tokens if self.policy_name == KV_AWARE else 0
         self.metrics = metrics or SchedulerMetrics()
-        self._weights = WeightUpdates(self.metrics)
+        self._weights = WeightUpdates(self.metrics, self.config.weights_reload_timeout)
         self._engines = Engines(
             self.config,
             self.metrics,
@@ -541,4 +541,5 @@ class Scheduler:
             admitted=self.admitted_total,
             retried=self.retried_total,
             weights_version=self._weights.version,
+            weights_path=self._weights.path,
         )

@@ -2,9 +2,10 @@
 
 An update stops admission, lets the turns in flight finish (so that no turn mixes two
 versions of the weights), has every engine that takes turns reload from the given path, and
-resumes. An engine that fails to load is taken out (it loads the current weights when it
-comes back, before its first turn); an update with no engine up is recorded for the same
-reason, so the trainer need not fail.
+resumes. An engine that fails to load, or has not finished loading after
+`reload_timeout` seconds, is taken out (it loads the current weights when it comes back,
+before its first turn); an update with no engine up is recorded for the same reason, so the
+trainer need not fail.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ log = logging.getLogger(__name__)
 class WeightUpdates:
     """The weights the engines serve (version and path) and replacing them on every engine."""
 
-    def __init__(self, metrics: SchedulerMetrics) -> None:
+    def __init__(self, metrics: SchedulerMetrics, reload_timeout: float = 600.0) -> None:
         self.metrics = metrics
+        self.reload_timeout = reload_timeout
         self.version = 0
         self.path = ""
         # Held by an update, and by an engine coming back while it loads the current weights.
@@ -42,7 +44,7 @@ class WeightUpdates:
         # Waits for an update in progress, which this engine would otherwise miss.
         async with self.lock:
             if engine.state.weights_version != self.version and self.path:
-                await engine.client.reload_weights(self.path)
+                await self._reload(engine, self.path, self.version)
                 engine.state.weights_version = self.version
 
     def forget_loaded(self, engine: Engine) -> None:
@@ -74,7 +76,7 @@ class WeightUpdates:
                 return proto.weights_response(new_version, [], 0.0)
             started = time.monotonic()
             results = await asyncio.gather(
-                *(e.client.reload_weights(weights_path) for e in targets),
+                *(self._reload(e, weights_path, new_version) for e in targets),
                 return_exceptions=True,
             )
             loaded: list[str] = []
@@ -109,6 +111,16 @@ class WeightUpdates:
                 },
             )
             return proto.weights_response(new_version, loaded, seconds)
+
+    async def _reload(self, engine: Engine, path: str, version: int) -> None:
+        try:
+            async with asyncio.timeout(self.reload_timeout):
+                await engine.client.reload_weights(path)
+        except TimeoutError:
+            raise TimeoutError(
+                f"reloading weights v{version} from {path} did not finish in "
+                f"{self.reload_timeout:g} s"
+            ) from None
 
     def _record(self, version: int, path: str) -> None:
         self.version = version

@@ -7,20 +7,31 @@ its tool errors never reach Resample-on-Correct's penalty. When more than
 `spec.resilience.maxInfraFailureFraction` of a step's trajectories are spoiled, the step is
 rolled out again (after a back-off that doubles) instead of trained on; after
 `rolloutAttempts` the run fails with reason InfrastructureFailures.
+
+Weights reach the engines through the rollout scheduler, which keeps them in memory: each
+push has a deadline and is tried again when the scheduler is away (`push_weights`), and
+before each rollout the trainer checks that the scheduler still serves the latest weights
+and pushes them again if a restart lost them (`ensure_weights`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+import grpc
 from kubestar.api.v1alpha1 import ResilienceSpec, RolloutRetry
 from kubestar.common.errors import KubestarError
+from kubestar.scheduler.client import SchedulerClient
 from kubestar.training.trajectory import Trajectory
+from kubestar.v1 import rollout_pb2 as pb
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -109,3 +120,91 @@ def rollout_step(
             raise InfrastructureFailure(message)
         sleep(wait)
     raise AssertionError("unreachable: rollout_attempts >= 1")
+
+
+# What a scheduler that is restarting, overloaded or past a deadline answers: worth another
+# try. Refusals (a bad token, a bad path) are not.
+RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+    }
+)
+
+
+async def with_retries(
+    call: Callable[[], Awaitable[T]],
+    what: str,
+    attempts: int,
+    backoff: float,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> T:
+    """`call()` until it succeeds, up to `attempts` times when it fails in a way a retry may
+    mend; then InfrastructureFailure naming `what`."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return await call()
+        except grpc.aio.AioRpcError as error:
+            code = error.code()
+            failure = f"{what}: {code.name}: {error.details() or ''}".rstrip(": ")
+            if code not in RETRYABLE:
+                raise InfrastructureFailure(failure) from None
+            if attempt == attempts:
+                raise InfrastructureFailure(
+                    f"{failure} (attempt {attempt} of {attempts}: giving up)"
+                ) from None
+            wait = backoff_seconds(attempt, backoff)
+            log.warning("%s (attempt %d of %d; again in %g s)", failure, attempt, attempts, wait)
+            await sleep(wait)
+    raise AssertionError("unreachable: attempts >= 1")
+
+
+async def push_weights(
+    client: SchedulerClient,
+    path: str,
+    version: int,
+    spec: ResilienceSpec,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> pb.UpdateWeightsResponse:
+    """Every engine loads `path` as version `version`, within the deadline, tried again."""
+    return await with_retries(
+        lambda: client.update_weights(path, version, timeout=spec.weights_update_seconds),
+        f"pushing weights v{version} ({path}) through the rollout scheduler {client.endpoint}",
+        spec.weights_update_attempts,
+        spec.retry_backoff_seconds,
+        sleep,
+    )
+
+
+async def ensure_weights(
+    client: SchedulerClient,
+    path: str,
+    version: int,
+    spec: ResilienceSpec,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> bool:
+    """Push the latest weights again when the scheduler no longer serves them (a restart
+    loses them: engines that join would serve the base weights); True if it had to."""
+    status = await with_retries(
+        client.status,
+        f"asking the rollout scheduler {client.endpoint} for its weights",
+        spec.weights_update_attempts,
+        spec.retry_backoff_seconds,
+        sleep,
+    )
+    if (status.weights_version, status.weights_path) == (version, path):
+        return False
+    log.warning(
+        "the rollout scheduler serves weights v%d (%s), not v%d (%s): restarted? pushing "
+        "them again",
+        status.weights_version,
+        status.weights_path or "the engines' own",
+        version,
+        path,
+    )
+    await push_weights(client, path, version, spec, sleep)
+    return True

@@ -139,6 +139,8 @@ class TrainingSession:
         )
         self.started = time.monotonic()
         self._steps_timed: list[float] = []
+        # The weights the engines should serve (folder, version), once pushed.
+        self._weights: tuple[str, int] | None = None
 
     # -- orchestration ----------------------------------------------------------------------
     def run_all(self) -> TrainingRunStatus:
@@ -190,7 +192,9 @@ class TrainingSession:
         except TrainingStopped:
             raise  # not a failure: the run goes on where it stopped
         except InfrastructureFailure as error:
-            self._set_phase(Phase.FAILED, Reason.INFRASTRUCTURE_FAILURES, str(error))
+            # Raised in the Ray worker, it arrives wrapped with its traceback: its own words.
+            message = str(getattr(error, "cause", None) or error)
+            self._set_phase(Phase.FAILED, Reason.INFRASTRUCTURE_FAILURES, message)
             raise
         except Exception as error:
             self._set_phase(Phase.FAILED, Reason.TRAINER_ERROR, f"{type(error).__name__}: {error}")
@@ -376,7 +380,8 @@ class TrainingSession:
             folder = policy.save_weights(self.weights_dir / f"v{version:06d}")  # collective
         if not self.world.main:
             return folder
-        ray.get(worker.update_weights.remote(str(folder), version))
+        ray.get(worker.update_weights.remote(str(folder), version, self.spec.resilience))
+        self._weights = (str(folder), version)
         # Engines have loaded it: older weight folders are no longer needed.
         for old in self.weights_dir.glob("v*"):
             if old != folder:
@@ -454,9 +459,13 @@ class TrainingSession:
     def _rollout(
         self, worker: Any, problems: list[Problem], samples: int, max_tokens: int
     ) -> tuple[list[Trajectory], Any]:
-        """One rollout of a step's problems on the Ray worker: trajectories and their stats."""
+        """One rollout of a step's problems on the Ray worker: trajectories and their stats.
+        First the scheduler is checked to serve the latest weights (a restart loses them)."""
         import ray
 
+        if self._weights is not None:
+            path, version = self._weights
+            ray.get(worker.ensure_weights.remote(path, version, self.spec.resilience))
         trajectories, stats = ray.get(
             worker.rollout.remote(
                 problems, samples, self.spec.algorithm.max_turns, max_tokens, self._sampling()

@@ -9,11 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kubestar.api.v1alpha1 import CallLimitsSpec
+from kubestar.api.v1alpha1 import CallLimitsSpec, ResilienceSpec
 from kubestar.training.chat import ChatTokenizer
 from kubestar.training.datasets import Problem
 from kubestar.training.executors import SandboxStreamExecutor
 from kubestar.training.generators import Sampling, SchedulerGenerator
+from kubestar.training.resilience import ensure_weights, push_weights
 from kubestar.training.rewards import RewardScorer
 from kubestar.training.rollout import AgentLoop, RolloutConfig, RolloutStats, rollout
 from kubestar.training.trajectory import Trajectory
@@ -60,14 +61,24 @@ class RolloutWorker:
         loop = AgentLoop(self.generator, self.tools, self.tokenizer, config)
         return await rollout(loop, problems, samples, self.scorer)
 
-    async def update_weights(self, weights_path: str, version: int) -> dict[str, Any]:
+    async def update_weights(
+        self, weights_path: str, version: int, resilience: ResilienceSpec | None = None
+    ) -> dict[str, Any]:
         """Every engine loads the new weights before the next rollout starts."""
-        response = await self.generator.client.update_weights(weights_path, version)
+        spec = resilience or ResilienceSpec()
+        response = await push_weights(self.generator.client, weights_path, version, spec)
         return {
             "version": response.version,
             "engines": list(response.engines),
             "seconds": response.seconds,
         }
+
+    async def ensure_weights(
+        self, weights_path: str, version: int, resilience: ResilienceSpec | None = None
+    ) -> bool:
+        """Before a rollout: the scheduler serves these weights (pushed again if not)."""
+        spec = resilience or ResilienceSpec()
+        return await ensure_weights(self.generator.client, weights_path, version, spec)
 
     async def close(self) -> None:
         await self.generator.close()
