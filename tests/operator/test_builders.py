@@ -213,7 +213,11 @@ def test_engines_by_accelerator(accelerator: str, resource: str | None, image: s
     (engine,) = containers(deployment)
     assert engine["image"].startswith(image)
     assert deployment["spec"]["replicas"] == 2
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    # Replaced a quarter at a time, with no extra engine (it could not get the GPUs).
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 0, "maxUnavailable": "25%"},
+    }
     command = engine["command"]
     assert command[command.index("--max-model-len") + 1] == "8192"
     env = {e["name"]: e["value"] for e in engine["env"]}
@@ -249,6 +253,24 @@ def test_model_from_a_pvc() -> None:
         "name": "model",
         "persistentVolumeClaim": {"claimName": "models", "readOnly": True},
     } in (volumes)
+
+
+def test_an_operator_upgrade_leaves_gpu_engines_alone() -> None:
+    """A new kubestar image (a chart or operator upgrade) changes nothing in GPU engines,
+    which run vLLM's own image, so they are not restarted; CPU engines run kubestar's
+    engine image, which the same upgrade leaves as it is."""
+    fleet = parent("RolloutFleet", "f")
+    before, after = OperatorSettings(), OperatorSettings()
+    after.images.kubestar = "kubestar:0.2.0"
+    for accelerator in ("nvidia", "amd", "cpu"):
+        spec = RolloutFleetSpec.model_validate({"accelerator": accelerator, "replicas": 8})
+        old = build_fleet.engine_deployment(fleet, spec, before)
+        new = build_fleet.engine_deployment(fleet, spec, after)
+        assert o.spec_hash(old) == o.spec_hash(new), accelerator
+    scheduler_old = build_fleet.scheduler_deployment(fleet, spec, before)
+    assert o.spec_hash(scheduler_old) != o.spec_hash(
+        build_fleet.scheduler_deployment(fleet, spec, after)
+    )
 
 
 def test_scheduler_is_wired_to_the_engines() -> None:

@@ -174,6 +174,12 @@ def _api_server_env(settings: OperatorSettings) -> dict[str, str]:
     }
 
 
+ENGINE_ROLLOUT = {
+    "type": "RollingUpdate",
+    "rollingUpdate": {"maxSurge": 0, "maxUnavailable": "25%"},
+}
+
+
 def engine_deployment(
     fleet: Mapping[str, Any], spec: RolloutFleetSpec, settings: OperatorSettings
 ) -> o.Obj:
@@ -284,8 +290,11 @@ def engine_deployment(
             "metadata": o.metadata(fleet, engine_name(name), ENGINE),
             "spec": {
                 "replicas": spec.replicas,
-                # A new engine cannot get GPUs while the old one holds them.
-                "strategy": {"type": "Recreate"},
+                # A change (a new image, a chart upgrade) replaces a quarter of the engines
+                # at a time (at least one), the others serving meanwhile; none extra is
+                # started first, since a new engine cannot get GPUs while an old one holds
+                # them.
+                "strategy": ENGINE_ROLLOUT,
                 "selector": {"matchLabels": engine_selector(name)},
                 "template": {
                     "metadata": {
