@@ -9,6 +9,7 @@ import pytest
 import yaml
 from kubestar.api import trainer_contract
 from kubestar.api.v1alpha1 import (
+    CheckpointSpec,
     RolloutFleetSpec,
     SandboxPoolSpec,
     TrainingRunSpec,
@@ -317,7 +318,7 @@ def tiny_run() -> tuple[dict[str, Any], TrainingRunSpec, RolloutFleetSpec, Sandb
 def test_trainer_job_follows_the_contract() -> None:
     body, spec, fleet, pool = tiny_run()
     job = build_trainer.job(body, spec, fleet, pool, OperatorSettings())
-    assert job["spec"]["backoffLimit"] == 0
+    assert job["spec"]["backoffLimit"] == 6  # checkpoints on the run's own claim
     pod = job["spec"]["template"]["spec"]
     assert pod["restartPolicy"] == "Never"
     assert pod["serviceAccountName"] == "tiny-cpu-trainer"
@@ -479,10 +480,13 @@ def test_children_listen_on_the_bind_address() -> None:
 def test_shared_checkpoints_reach_the_engines() -> None:
     body, spec, fleet_spec, pool_spec = tiny_run()
     fleet = parent("RolloutFleet", "tiny-fleet")
-    # Without a shared volume: the run's own emptyDir; engines mount nothing of it.
+    # Without a shared volume: the run's own claim; engines mount nothing of it.
     job = build_trainer.job(body, spec, fleet_spec, pool_spec, OperatorSettings())
     volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
-    assert volumes["checkpoints"] == {"name": "checkpoints", "emptyDir": {}}
+    assert volumes["checkpoints"] == {
+        "name": "checkpoints",
+        "persistentVolumeClaim": {"claimName": "tiny-cpu-checkpoints"},
+    }
     engine = build_fleet.engine_deployment(fleet, fleet_spec, OperatorSettings())
     assert "checkpoints" not in {v["name"] for v in engine["spec"]["template"]["spec"]["volumes"]}
 
@@ -572,15 +576,57 @@ def test_sandbox_workers_carry_the_isolation_setting() -> None:
         SandboxPoolSpec.model_validate({"isolation": "off"})
 
 
+def test_checkpoints_go_to_a_claim_of_the_runs_own_by_default() -> None:
+    body, spec, _, _ = tiny_run()
+    settings = OperatorSettings()
+    claim = build_trainer.checkpoint_claim(body, spec, settings)
+    assert claim is not None
+    assert claim["metadata"]["name"] == "tiny-cpu-checkpoints"
+    assert claim["metadata"]["ownerReferences"][0]["name"] == "tiny-cpu"  # deleted with it
+    assert claim["spec"] == {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": "50Gi"}},
+    }
+    sized = spec.model_copy(
+        update={
+            "checkpoint": spec.checkpoint.model_copy(
+                update={"storage": "200Gi", "storage_class_name": "fast"}
+            )
+        }
+    )
+    claim = build_trainer.checkpoint_claim(body, sized, settings)
+    assert claim is not None and claim["spec"]["storageClassName"] == "fast"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "200Gi"
+    # None where the run names a claim or shares the engines' volume.
+    named = spec.model_copy(
+        update={"checkpoint": spec.checkpoint.model_copy(update={"pvc_claim_name": "mine"})}
+    )
+    assert build_trainer.checkpoint_claim(body, named, settings) is None
+    shared = OperatorSettings.model_validate(
+        {"trainer": {"sharedCheckpoints": {"hostPath": "/srv/kubestar"}}}
+    )
+    assert build_trainer.checkpoint_claim(body, spec, shared) is None
+    with pytest.raises(ValidationError, match="storage"):
+        CheckpointSpec.model_validate({"storage": "lots"})
+    with pytest.raises(ValidationError, match=r"ephemeral and checkpoint\.pvcClaimName"):
+        CheckpointSpec.model_validate({"ephemeral": True, "pvcClaimName": "c"})
+
+
 def test_trainer_pods_are_retried_only_where_checkpoints_outlive_them() -> None:
     """A retry resumes from the newest checkpoint: the Job retries where checkpoints outlive
     the pod (the shared volume or the run's claim), never with an emptyDir; SIGTERM gets the
     grace to checkpoint; from Kubernetes 1.26 a drain or eviction does not count."""
     body, spec, fleet, pool = tiny_run()
     settings = OperatorSettings()
-    ephemeral = build_trainer.job(body, spec, fleet, pool, settings)
+    development = spec.model_copy(
+        update={"checkpoint": spec.checkpoint.model_copy(update={"ephemeral": True})}
+    )
+    ephemeral = build_trainer.job(body, development, fleet, pool, settings)
     assert ephemeral["spec"]["backoffLimit"] == 0
     pod = ephemeral["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["checkpoints"] == {"name": "checkpoints", "emptyDir": {}}
+    assert build_trainer.checkpoint_claim(body, development, settings) is None
     assert pod["terminationGracePeriodSeconds"] == settings.trainer.termination_grace_seconds
     claimed = spec.model_copy(
         update={"checkpoint": spec.checkpoint.model_copy(update={"pvc_claim_name": "ckpt"})}

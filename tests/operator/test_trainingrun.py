@@ -93,6 +93,12 @@ def test_run_lifecycle_to_success(
     assert env["KUBESTAR_SANDBOX_ENDPOINT"].startswith("tiny-sandbox-sandbox.")
     config = api.get(core(namespace, "configmaps", "tiny-cpu-run"))
     assert config is not None and "groupSize: 4" in config["data"]["run.yaml"]
+    # Checkpoints outlive the pod: a claim of the run's own, made with the chart's RBAC.
+    claim = api.get(core(namespace, "persistentvolumeclaims", "tiny-cpu-checkpoints"))
+    assert claim is not None and owned_by(claim, run)
+    volumes = {v["name"]: v for v in pod_spec["volumes"]}
+    assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == "tiny-cpu-checkpoints"
+    assert job["spec"]["backoffLimit"] == 6
     path = kubestar(namespace, "trainingruns", "tiny-cpu")
     assert json.loads(json.dumps((api.get(path) or {})["status"]["trainer"])) == (
         "Job/tiny-cpu-trainer"
@@ -150,7 +156,10 @@ def test_run_lifecycle_to_success(
 def test_trainer_oom_fails_the_run(
     cluster: LocalCluster, operator: OperatorProcess, kubelet: FakeKubelet, namespace: str
 ) -> None:
-    start_run(cluster, kubelet, namespace)
+    # A development run (checkpoints in an emptyDir): a lost pod is not retried.
+    development = example("TrainingRun")
+    development["spec"]["checkpoint"] = {"ephemeral": True}
+    start_run(cluster, kubelet, namespace, development)
     (pod,) = wait_for(
         "the trainer pod",
         lambda: kubelet.pods(namespace, f"{INSTANCE}=tiny-cpu,{COMPONENT}=trainer"),

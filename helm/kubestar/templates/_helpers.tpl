@@ -56,7 +56,7 @@ operator.watchNamespaces (and nothing beyond them).
   resources: ["jobs"]
   verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: [""]
-  resources: ["services", "configmaps", "serviceaccounts"]
+  resources: ["services", "configmaps", "serviceaccounts", "persistentvolumeclaims"]
   verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: [""]
   resources: ["pods"]

@@ -612,6 +612,31 @@ class CheckpointSpec(Spec):
         description="A PersistentVolumeClaim of the run's own for the checkpoints, mounted at "
         "path in the trainer pods; takes precedence over the shared checkpoint volume.",
     )
+    storage: str = Field(
+        "50Gi",
+        pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$",
+        description="Size of the claim the operator makes for the run's checkpoints (RUN-"
+        "checkpoints, ReadWriteOnce, deleted with the run) when neither pvcClaimName nor the "
+        "chart's shared checkpoint volume is set.",
+    )
+    storage_class_name: str | None = Field(
+        None,
+        description="StorageClass of that claim. Unset: the cluster's default class.",
+    )
+    ephemeral: bool = Field(
+        False,
+        description="Development only: checkpoints in an emptyDir that dies with the trainer "
+        "pod instead of a claim, so a lost pod starts the run over (and is not retried).",
+    )
+
+    @model_validator(mode="after")
+    def _one_place(self) -> CheckpointSpec:
+        if self.ephemeral and self.pvc_claim_name:
+            raise ValueError(
+                "checkpoint.ephemeral and checkpoint.pvcClaimName: choose one (an emptyDir "
+                "for development, or the claim)"
+            )
+        return self
 
 
 EvaluationPoint = Literal["start", "sft", "end"]

@@ -142,19 +142,54 @@ def spec_problem(spec: TrainingRunSpec, settings: OperatorSettings) -> str | Non
     refused = settings.policy.refusal("spec.trainer.image", image=spec.trainer.image)
     if refused:
         return refused
-    if spec.trainer.workers > 1 and not persistent_checkpoints(spec, settings):
+    shared = shares_checkpoints(spec, settings) or spec.checkpoint.pvc_claim_name
+    if spec.trainer.workers > 1 and not shared:
         return (
             f"spec.trainer.workers is {spec.trainer.workers}: every trainer pod writes its "
-            "shard of each checkpoint to one volume, and this installation has none; set "
-            "spec.checkpoint.pvcClaimName to a ReadWriteMany claim, or the chart's "
-            "trainer.sharedCheckpoints, or use 1 worker"
+            "shard of each checkpoint to one volume that all of them mount, and the run's own "
+            "claim is ReadWriteOnce; set spec.checkpoint.pvcClaimName to a ReadWriteMany "
+            "claim, or the chart's trainer.sharedCheckpoints, or use 1 worker"
         )
     return None
 
 
 def persistent_checkpoints(spec: TrainingRunSpec, settings: OperatorSettings) -> bool:
-    """Checkpoints outlive the trainer's pods (so a retry resumes rather than starts over)."""
-    return bool(spec.checkpoint.pvc_claim_name) or settings.trainer.shared_checkpoints.enabled
+    """Checkpoints outlive the trainer's pods (so a retry resumes rather than starts over):
+    everywhere but in a development run's emptyDir."""
+    return not ephemeral_checkpoints(spec, settings)
+
+
+def ephemeral_checkpoints(spec: TrainingRunSpec, settings: OperatorSettings) -> bool:
+    return spec.checkpoint.ephemeral and not shares_checkpoints(spec, settings)
+
+
+def checkpoint_claim_name(run: str) -> str:
+    return o.child_name(run, "checkpoints")
+
+
+def checkpoint_claim(
+    run: Mapping[str, Any], spec: TrainingRunSpec, settings: OperatorSettings
+) -> o.Obj | None:
+    """The claim the operator makes for the run's checkpoints, owned by the run (deleted
+    with it), where the run names none and shares no volume with its engines."""
+    if shares_checkpoints(spec, settings) or spec.checkpoint.pvc_claim_name:
+        return None
+    if spec.checkpoint.ephemeral:
+        return None
+    claim: o.Obj = {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": spec.checkpoint.storage}},
+    }
+    if spec.checkpoint.storage_class_name:
+        claim["storageClassName"] = spec.checkpoint.storage_class_name
+    return o.with_hash(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": o.metadata(run, checkpoint_claim_name(run["metadata"]["name"]), TRAINER),
+            "spec": claim,
+        }
+    )
 
 
 def checkpoint_dir(
@@ -231,12 +266,13 @@ def _pod_spec(
         checkpoints: o.Obj = settings.trainer.shared_checkpoints.volume("checkpoints")
     else:
         mount_path = env[c.ENV_CHECKPOINT_DIR]
+        claim = spec.checkpoint.pvc_claim_name or checkpoint_claim_name(name)
         checkpoints = {
             "name": "checkpoints",
             **(
-                {"persistentVolumeClaim": {"claimName": spec.checkpoint.pvc_claim_name}}
-                if spec.checkpoint.pvc_claim_name
-                else {"emptyDir": {}}
+                {"emptyDir": {}}
+                if ephemeral_checkpoints(spec, settings)
+                else {"persistentVolumeClaim": {"claimName": claim}}
             ),
         }
     container: o.Obj = {

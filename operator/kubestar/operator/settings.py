@@ -107,7 +107,8 @@ class SharedCheckpoints(_Settings):
 class TrainerDefaults(_Settings):
     # Retries of a failed trainer pod before its Job (and so the run) fails; each retry
     # resumes from the newest checkpoint. Only where checkpoints outlive a pod (the shared
-    # volume or the run's own claim): with an emptyDir a retry would start over, so none.
+    # volume, or a claim of the run's): with a development run's emptyDir a retry would
+    # start over, so none.
     backoff_limit: int = Field(6, ge=0)
     # Seconds a trainer pod has after SIGTERM (a drain, an eviction) to finish its step and
     # checkpoint it.

@@ -386,6 +386,10 @@ async def reconcile(ctx: Context, run: dict[str, Any]) -> None:
                 *build_trainer.network_policies(run, settings),
             ],
         )
+        claim = build_trainer.checkpoint_claim(run, spec, settings)
+        if claim is not None:
+            # Never updated: a claim's size and class are fixed once bound.
+            await ctx.apply(run, claim, immutable=True)
     except ChildConflict as error:
         spec_problem = (Reason.CHILD_CONFLICT, str(error))
 

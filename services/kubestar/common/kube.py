@@ -35,6 +35,7 @@ PLURALS: dict[str, str] = {
     "Pod": "pods",
     "Service": "services",
     "ConfigMap": "configmaps",
+    "PersistentVolumeClaim": "persistentvolumeclaims",
     "ServiceAccount": "serviceaccounts",
     "Event": "events",
     "Secret": "secrets",
