@@ -9,7 +9,8 @@ import json
 from typing import Any
 
 import pytest
-from kubestar.api.v1alpha1 import TrainingMetrics, TrainingRunStatus
+from kubestar.api.conditions import now
+from kubestar.api.v1alpha1 import Activity, TrainingMetrics, TrainingRunStatus
 from kubestar.common.kube import Connection
 from kubestar.training.progress import StatusPatcher
 
@@ -397,3 +398,31 @@ def test_a_trainer_pod_refused_by_the_api_server_is_a_condition(
     refused = wait_condition(cluster, path, "TrainerReady", "False", "FailedCreate", timeout=60)
     assert "exceeded quota: no-accelerators" in refused["message"], refused["message"]
     assert phase(cluster, namespace, "tiny-cpu") == "Provisioning"
+
+
+def test_a_trainer_whose_activity_does_not_move_on_is_stalled(
+    cluster: LocalCluster, operator: OperatorProcess, kubelet: FakeKubelet, namespace: str
+) -> None:
+    """The watchdog: the trainer reports what it does and waits on; when that has not
+    changed for spec.resilience.stallSeconds the run's Stalled condition turns True naming
+    it, and False once the trainer moves on."""
+    run = example("TrainingRun")
+    run["spec"]["resilience"] = {"stallSeconds": 10}
+    start_run(cluster, kubelet, namespace, run)
+    path = kubestar(namespace, "trainingruns", "tiny-cpu")
+    kubelet.make_ready(namespace, f"{INSTANCE}=tiny-cpu,{COMPONENT}=trainer")
+    wait_condition(cluster, path, "TrainerReady", "True", "Running")
+    token = cluster.service_account_token(namespace, "tiny-cpu-trainer")
+    credentials = Connection(server=cluster.server, token=token, ca_file=cluster.ca_file)
+    patcher = StatusPatcher("tiny-cpu", namespace, credentials)
+    waiting_on = "the rollout scheduler tiny-fleet-scheduler:50061"
+    rolling_out = Activity(what="rolling out step 4", waiting_on=waiting_on, since=now())
+    patcher.report(TrainingRunStatus(phase="Training", step=3, activity=rolling_out))
+    moving = wait_condition(cluster, path, "Stalled", "False", "MakingProgress")
+    assert moving["message"] == f"rolling out step 4, waiting on {waiting_on}"
+    stalled = wait_condition(cluster, path, "Stalled", "True", "NoProgress", timeout=40)
+    assert "spec.resilience.stallSeconds is 10" in stalled["message"]
+    assert stalled["message"].endswith(f"rolling out step 4, waiting on {waiting_on}")
+    updating = Activity(what="updating the policy on step 4", waiting_on="the trainer")
+    patcher.report(TrainingRunStatus(phase="Training", step=3, activity=updating))
+    wait_condition(cluster, path, "Stalled", "False", "MakingProgress")

@@ -69,6 +69,9 @@ class ConditionType(StrEnum):
     # TrainingRun: the latest step trained on its rollouts; False while a step is rolled out
     # again because engine, scheduler or sandbox failures spoiled too many trajectories.
     ROLLOUTS_HEALTHY = "RolloutsHealthy"
+    # TrainingRun: True when the trainer's activity (status.activity) has not moved on for
+    # spec.resilience.stallSeconds; the message names it and the component it waits on.
+    STALLED = "Stalled"
 
 
 class Reason(StrEnum):
@@ -143,6 +146,10 @@ class Reason(StrEnum):
     COMPLETED = "Completed"
     # The trainer raised; the message names the exception.
     TRAINER_ERROR = "TrainerError"
+
+    # TrainingRun, Stalled.
+    NO_PROGRESS = "NoProgress"
+    MAKING_PROGRESS = "MakingProgress"
 
     # TrainingRun, RolloutsHealthy.
     HEALTHY = "Healthy"

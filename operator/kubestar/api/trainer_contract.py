@@ -35,7 +35,9 @@ subresource, nothing else (a Role limited by resourceNames). It reports with
 subresource: a JSON merge patch of the fields the trainer owns, `phase` (Evaluating, SFT,
 Training, Succeeded, Failed: kubestar.api.conditions.TRAINER_PHASES), `stage`, `step`,
 `totalSteps`, `progress`, `metrics`, `lastCheckpoint`, `estimatedSecondsLeft`,
-`rolloutRetry` (which `rollouts_condition` turns into the RolloutsHealthy condition). The operator
+`rolloutRetry` (which `rollouts_condition` turns into the RolloutsHealthy condition),
+`activity` (what it does and waits on; the operator's watchdog turns an activity that does
+not move on into the Stalled condition). The operator
 owns `conditions`, `observedGeneration`, `stepSummary`, `trainer` and the phases Pending and
 Provisioning; it also sets Succeeded or Failed from the Job's outcome when the trainer could
 not. A report that fails is logged and dropped, never retried: training goes on, and the next
@@ -87,6 +89,7 @@ TRAINER_FIELDS = (
     "lastCheckpoint",
     "estimatedSecondsLeft",
     "rolloutRetry",
+    "activity",
 )
 
 

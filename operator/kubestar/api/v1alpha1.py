@@ -692,6 +692,15 @@ class ResilienceSpec(Spec):
         "(every engine reloading them); a push that passes it, or finds the scheduler away, "
         "is tried again.",
     )
+    stall_seconds: float = Field(
+        3600.0,
+        ge=10,
+        le=7 * 86400,
+        description="When the trainer's current activity (status.activity: a rollout, a "
+        "weight push, an update, a checkpoint, an evaluation) has not moved on for this many "
+        "seconds, the run's Stalled condition turns True naming the activity and the "
+        "component it waits on. Longer than the slowest step.",
+    )
     weights_update_attempts: int = Field(
         4,
         ge=1,
@@ -807,6 +816,19 @@ class TrainingMetrics(Spec):
     )
 
 
+class Activity(Spec):
+    """What the trainer is doing now (written by the trainer as it moves from one part of a
+    step to the next; the operator's watchdog reads it)."""
+
+    what: str = Field(description='What the trainer does, e.g. "rolling out step 12".')
+    waiting_on: str = Field(
+        "",
+        description="The component it waits on, e.g. the rollout scheduler and sandbox "
+        "endpoints, or the checkpoint folder.",
+    )
+    since: str = Field("", description="When it began (RFC 3339, the trainer's clock).")
+
+
 class RolloutRetry(Spec):
     """A step being rolled out again because infrastructure failures spoiled too many of its
     trajectories (written by the trainer; the operator shows it as the RolloutsHealthy
@@ -864,6 +886,11 @@ class TrainingRunStatus(Spec):
         "",
         description="Address of trainer worker 0's pod, where the other workers join the "
         "process group on clusters without DNS for Services (kept by the operator).",
+    )
+    activity: Activity | None = Field(
+        None,
+        description="What the trainer is doing now and what it waits on; the Stalled "
+        "condition turns True when it has not changed for spec.resilience.stallSeconds.",
     )
     rollout_retry: RolloutRetry | None = Field(
         None,

@@ -112,6 +112,9 @@ class Context:
     exists: set[tuple[str, str, str]] = field(default_factory=set)
     # (namespace, name) -> the TrainingRun phase last seen (an Event per transition).
     phases: dict[tuple[str, str], str] = field(default_factory=dict)
+    # (namespace, name) -> a TrainingRun's activity as last seen, and when it was first seen
+    # (this process's monotonic clock): the watchdog's memory.
+    activities: dict[tuple[str, str], tuple[str, float]] = field(default_factory=dict)
     _server_version: tuple[int, int] | None = None
 
     async def server_version(self) -> tuple[int, int]:

@@ -12,6 +12,7 @@ when it started.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -31,6 +32,7 @@ from kubestar.api.trainer_contract import rollouts_condition
 from kubestar.api.v1alpha1 import (
     GROUP,
     VERSION,
+    Activity,
     RolloutRetry,
     SandboxPoolSpec,
     TrainingRunSpec,
@@ -303,10 +305,54 @@ def reported_status(run: Mapping[str, Any]) -> TrainingRunStatus:
     status is the operator's own)."""
     live = run.get("status") or {}
     retry = live.get("rolloutRetry")
+    activity = live.get("activity")
     return TrainingRunStatus(
         step=int(live.get("step") or 0),
         rollout_retry=RolloutRetry.model_validate(retry) if retry else None,
+        activity=Activity.model_validate(activity) if activity else None,
     )
+
+
+def stalled_condition(
+    activity: Activity, unchanged_seconds: float, stall_seconds: float, generation: int
+) -> Condition:
+    """Stalled, from how long the trainer's activity has not moved on (pure)."""
+    doing = activity.what + (f", waiting on {activity.waiting_on}" if activity.waiting_on else "")
+    if unchanged_seconds > stall_seconds:
+        return condition(
+            ConditionType.STALLED,
+            True,
+            Reason.NO_PROGRESS,
+            f"no progress for {unchanged_seconds:.0f} s (spec.resilience.stallSeconds is "
+            f"{stall_seconds:g}): {doing}",
+            generation,
+        )
+    return condition(ConditionType.STALLED, False, Reason.MAKING_PROGRESS, doing, generation)
+
+
+def watchdog(
+    ctx: Context,
+    run: Mapping[str, Any],
+    phase: Phase,
+    reported: TrainingRunStatus,
+    spec: TrainingRunSpec,
+    generation: int,
+) -> Condition | None:
+    """The Stalled condition while the trainer works. Time is this operator's own: how long
+    it has seen the same activity (the trainer's clock may be off), so a restarted operator
+    starts counting again."""
+    meta = run["metadata"]
+    key = (meta["namespace"], meta["name"])
+    activity = reported.activity
+    if activity is None or phase not in TRAINER_PHASES or phase in TERMINAL_PHASES:
+        ctx.activities.pop(key, None)
+        return None
+    seen = activity.model_dump_json()
+    now = time.monotonic()
+    first = ctx.activities.get(key)
+    if first is None or first[0] != seen:
+        ctx.activities[key] = first = (seen, now)
+    return stalled_condition(activity, now - first[1], spec.resilience.stall_seconds, generation)
 
 
 def step_summary(status: Mapping[str, Any]) -> str:
@@ -412,9 +458,13 @@ async def reconcile(ctx: Context, run: dict[str, Any]) -> None:
     refused = await ctx.refusals(namespace, "Job", podless) if podless else {}
     outcome = workers_outcome(jobs, pods, refused)
     decision = decide(phase_now, generation, spec_problem, deps, deps_exist, outcome)
-    rollouts = rollouts_condition(reported_status(run), generation)
+    reported = reported_status(run)
+    rollouts = rollouts_condition(reported, generation)
     if rollouts is not None:
         decision.conditions.append(rollouts)
+    stalled = watchdog(ctx, run, decision.phase, reported, spec, generation)
+    if stalled is not None:
+        decision.conditions.append(stalled)
 
     extra: dict[str, Any] = {}
     if started:

@@ -30,8 +30,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from kubestar.api.conditions import Phase, Reason
+from kubestar.api.conditions import Phase, Reason, now
 from kubestar.api.v1alpha1 import (
+    Activity,
     AlgorithmSpec,
     CallLimitsSpec,
     DatasetSpec,
@@ -226,6 +227,7 @@ class TrainingSession:
             from kubestar.training.workers import call_limits_config
 
             # The examples' tool calls run under the pool's limits, as the RL rollouts' do.
+            self._doing("supervised fine-tuning", f"the sandbox {self.endpoints.sandbox}")
             sft_metrics = run_sft(
                 policy,
                 self.model_dir,
@@ -269,6 +271,7 @@ class TrainingSession:
                     )
                     self.status.rollout_retry = None
                 rollout_seconds = time.monotonic() - started
+                self._doing(f"updating the policy on step {state.global_step + 1}", "the trainer")
                 metrics = trainer.update(trajectories)  # sharded: rank 0's trajectories
                 state.global_step += 1
                 state.stage_step = step + 1
@@ -376,6 +379,9 @@ class TrainingSession:
         engine load them; returns the folder, which a checkpoint of this step reuses."""
         import ray
 
+        self._doing(
+            f"pushing weights v{version}", f"the rollout scheduler {self.endpoints.scheduler}"
+        )
         if folder is None:
             folder = policy.save_weights(self.weights_dir / f"v{version:06d}")  # collective
         if not self.world.main:
@@ -392,6 +398,7 @@ class TrainingSession:
         self, policy: Policy, state: RunState, trainer: GrpoTrainer, weights: Path
     ) -> None:
         """`weights`: this step's folder, already pushed: linked, not gathered again."""
+        self._doing(f"checkpointing step {state.global_step}", f"the volume at {self.checkpoints}")
         state.rng_state = trainer.rng.getstate()
         keep = self.spec.checkpoint.keep
         path = checkpoint.save(self.checkpoints, policy, state, keep, weights=weights)
@@ -430,6 +437,7 @@ class TrainingSession:
         if evaluation.dataset is None or not self.world.main:
             return
         self._set_phase(Phase.EVALUATING, Reason.EVALUATING, f"held-out problems ({point})")
+        self._doing(f"evaluating ({point})", self._rollout_components())
         problems = load_dataset(evaluation.dataset)
         max_tokens = max(stage.max_response_tokens for stage in self.spec.stages)
         trajectories, _ = ray.get(
@@ -463,6 +471,7 @@ class TrainingSession:
         First the scheduler is checked to serve the latest weights (a restart loses them)."""
         import ray
 
+        self._doing(f"rolling out step {self.status.step + 1}", self._rollout_components())
         if self._weights is not None:
             path, version = self._weights
             ray.get(worker.ensure_weights.remote(path, version, self.spec.resilience))
@@ -472,6 +481,19 @@ class TrainingSession:
             )
         )
         return trajectories, stats
+
+    def _rollout_components(self) -> str:
+        return (
+            f"the rollout scheduler {self.endpoints.scheduler} and the sandbox "
+            f"{self.endpoints.sandbox}"
+        )
+
+    def _doing(self, what: str, waiting_on: str) -> None:
+        """Say what the trainer does now: the operator's watchdog sees whether it moves on."""
+        if not self.world.main:
+            return
+        self.status.activity = Activity(what=what, waiting_on=waiting_on, since=now())
+        self.reporter.report(self.status)
 
     def _retrying(self, retry: RolloutRetry) -> None:
         """A step's rollout is thrown away for infrastructure failures: say so in status."""
