@@ -630,6 +630,16 @@ def test_run_succeeds_with_step_metrics_and_checkpoint(tools: Tools, settings: S
         assert metrics.get(key) is not None, metrics
     checkpoint = final.get("lastCheckpoint", "")
     assert checkpoint.startswith(f"{CHECKPOINT_DIR}/{settings.namespace}/{RUN}/"), checkpoint
+    # No rollout was thrown away for the installation's own failures (a refused token, a
+    # lost call), and the watchdog saw the trainer move from one activity to the next.
+    retried = [s["rolloutRetry"] for _, s in recorder.statuses if s.get("rolloutRetry")]
+    assert not retried, retried
+    healthy = condition({"status": final}, "RolloutsHealthy")
+    assert healthy is not None and healthy["status"] == "True", final
+    activities = [(s.get("activity") or {}).get("what", "") for _, s in recorder.statuses]
+    settings.notes["activities"] = sorted(set(activities) - {""})
+    assert any(a.startswith("rolling out step") for a in activities), activities
+    assert any(a.startswith("pushing weights") for a in activities), activities
 
     # The new operator (after the kill) sees the trainer Job complete (the trainer reports
     # Succeeded itself, just before its pod exits).

@@ -16,8 +16,9 @@ from click.testing import CliRunner
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kubestar.cli.sandbox import serve_command
 from kubestar.common.auth import ENV_TOKEN, ENV_TOKEN_FILE, AuthConfigError
-from kubestar.sandbox.client import SandboxClient
+from kubestar.sandbox.client import Call, SandboxClient
 from kubestar.sandbox.server import SERVICE_NAME, ServerConfig
+from kubestar.training.executors import SandboxStreamExecutor
 from kubestar.v1 import sandbox_pb2 as pb
 
 from tests.sandbox.support import ThreadedServer, executor_config, scratch_dir
@@ -182,3 +183,26 @@ def test_serve_refuses_an_unreadable_or_empty_token_file(tmp_path: Path) -> None
     result = runner.invoke(serve_command, [], env={ENV_TOKEN_FILE: str(empty)})
     assert isinstance(result.exception, AuthConfigError)
     assert f"the auth token file {empty} is empty" in str(result.exception)
+
+
+async def test_the_trainers_stream_executor_sends_the_token(
+    worker: ThreadedServer, marker: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer's tool calls travel on SandboxStreamExecutor's long-lived stream: with
+    the token (given, or from the environment as in a trainer pod) they run; without it
+    they are answered `internal` naming the refusal, and nothing ran."""
+    given = SandboxStreamExecutor(worker.endpoint, token=TOKEN, deadline=30)
+    monkeypatch.setenv(ENV_TOKEN, TOKEN)
+    from_environment = SandboxStreamExecutor(worker.endpoint, deadline=30)
+    without = SandboxStreamExecutor(worker.endpoint, token="", deadline=30, max_attempts=1)
+    try:
+        for tools in (given, from_environment):
+            result = await tools.execute(Call(code="print(6 * 7)"))
+            assert (result.status, result.stdout) == (OK, "42\n")
+        refused = await without.execute(Call(code=touch(marker)))
+        assert refused.status == pb.EXECUTION_STATUS_INTERNAL
+        assert "UNAUTHENTICATED" in refused.message
+    finally:
+        for tools in (given, from_environment, without):
+            await tools.close()
+    assert not await asyncio.to_thread(marker.exists)

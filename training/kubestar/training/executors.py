@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
+from kubestar.common.auth import call_metadata, client_token
 from kubestar.sandbox.client import MAX_MESSAGE_BYTES, Call, SandboxClient
 from kubestar.v1 import sandbox_pb2 as pb
 from kubestar.v1 import sandbox_pb2_grpc as pb_grpc
@@ -86,7 +87,8 @@ class SandboxStreamExecutor:
 
     `max_calls_per_stream`: a stream is half-closed and replaced after this many calls (the
     server remembers each stream's ids). `deadline`: seconds after which a call that got no
-    result is answered `internal` (0: wait as long as it takes).
+    result is answered `internal` (0: wait as long as it takes). `token`: the installation's
+    bearer token (kubestar.common.auth); None takes it from the environment, "" sends none.
     """
 
     def __init__(
@@ -96,8 +98,10 @@ class SandboxStreamExecutor:
         retry_delay: float = 0.5,
         max_calls_per_stream: int = 100_000,
         deadline: float = 900.0,
+        token: str | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self._metadata = call_metadata(client_token(token))
         self.max_attempts = max_attempts
         self.retry_delay = retry_delay
         self.max_calls_per_stream = max_calls_per_stream
@@ -167,7 +171,9 @@ class SandboxStreamExecutor:
         failure = ""
         # wait_for_ready: while the sandbox is unreachable (restarting, not up yet) calls
         # wait for it instead of failing at once; `deadline` bounds the wait.
-        responses = self._aio_stub().ExecuteStream(requests(), wait_for_ready=True)
+        responses = self._aio_stub().ExecuteStream(
+            requests(), wait_for_ready=True, metadata=self._metadata
+        )
         try:
             async for response in responses:
                 waiting = stream.waiting.pop(response.result.id, None)
