@@ -126,7 +126,7 @@ class TestBlockingClient:
         from kubestar.common.net import free_port
 
         with (
-            SandboxClient(f"127.0.0.1:{free_port()}", timeout=2) as client,
+            SandboxClient(f"127.0.0.1:{free_port()}", timeout=2, retries=False) as client,
             pytest.raises(grpc.RpcError) as raised,
         ):
             client.execute("print(1)")

@@ -189,7 +189,7 @@ def exec_command(
         timeout_seconds=timeout_seconds,
         memory_bytes=memory_mb * 1024 * 1024,
     )
-    with SandboxClient(endpoint) as client:
+    with SandboxClient(endpoint, retries=False) as client:
         result = client.execute(call)
     if as_json:
         click.echo(json.dumps(result_to_dict(result), indent=2))

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 from kubestar.common.auth import call_metadata, client_token
@@ -14,6 +17,43 @@ from kubestar.v1 import sandbox_pb2 as pb
 from kubestar.v1 import sandbox_pb2_grpc as pb_grpc
 
 _CHANNEL_OPTIONS = message_options()
+# Waits before asking again a server that refused an RPC before running it: unreachable
+# (UNAVAILABLE: restarting, or a stream refused while a connection starts) or over its bound
+# on RPCs at once (RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!"). Some 25 s in all: a
+# burst of a step's calls is slowed, not lost. A request too large is refused for good.
+RETRY_DELAYS = (0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0, 8.0)
+T = TypeVar("T")
+
+
+def refused_before_running(error: grpc.RpcError) -> bool:
+    """The server refused the RPC before any call of it ran: asking again is safe."""
+    code = error.code()  # type: ignore[attr-defined]
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return True
+    details = error.details() or ""  # type: ignore[attr-defined]
+    return code == grpc.StatusCode.RESOURCE_EXHAUSTED and "Concurrent RPC limit" in details
+
+
+def with_retries(delays: Sequence[float], rpc: Callable[[], T]) -> T:
+    for delay in (*delays, None):
+        try:
+            return rpc()
+        except grpc.RpcError as error:
+            if delay is None or not refused_before_running(error):
+                raise
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+async def with_retries_async(delays: Sequence[float], rpc: Callable[[], Awaitable[T]]) -> T:
+    for delay in (*delays, None):
+        try:
+            return await rpc()
+        except grpc.RpcError as error:
+            if delay is None or not refused_before_running(error):
+                raise
+            await asyncio.sleep(delay)
+    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)
@@ -66,12 +106,19 @@ class SandboxClient:
     Ids are filled in when a call has none; results of `execute_batch` are in call order.
     `token`: the installation's bearer token (kubestar.common.auth); None takes it from the
     environment (KUBESTAR_AUTH_TOKEN_FILE, KUBESTAR_AUTH_TOKEN), "" sends none.
+    `retries`: ask again, after RETRY_DELAYS, a server that refused an RPC before running it
+    (False: fail at once, as a one-shot command should when nothing serves there).
     """
 
     def __init__(
-        self, endpoint: str, timeout: float | None = None, token: str | None = None
+        self,
+        endpoint: str,
+        timeout: float | None = None,
+        token: str | None = None,
+        retries: bool = True,
     ) -> None:
         self.endpoint = endpoint
+        self._delays = RETRY_DELAYS if retries else ()
         self.timeout = timeout
         self._metadata = call_metadata(client_token(token))
         self._ids = itertools.count()
@@ -85,8 +132,9 @@ class SandboxClient:
 
     def execute(self, call: Call | str) -> pb.ExecutionResult:
         request = pb.ExecuteRequest(execution=_to_execution(call, self._next_id()))
-        response: pb.ExecuteResponse = self._stub.Execute(
-            request, timeout=self.timeout, metadata=self._metadata
+        response: pb.ExecuteResponse = with_retries(
+            self._delays,
+            lambda: self._stub.Execute(request, timeout=self.timeout, metadata=self._metadata),
         )
         return response.result
 
@@ -94,14 +142,18 @@ class SandboxClient:
         request = pb.ExecuteBatchRequest(
             executions=[_to_execution(call, self._next_id()) for call in calls]
         )
-        response: pb.ExecuteBatchResponse = self._stub.ExecuteBatch(
-            request, timeout=self.timeout, metadata=self._metadata
+        response: pb.ExecuteBatchResponse = with_retries(
+            self._delays,
+            lambda: self._stub.ExecuteBatch(request, timeout=self.timeout, metadata=self._metadata),
         )
         return list(response.results)
 
     def capacity(self) -> pb.GetCapacityResponse:
-        response: pb.GetCapacityResponse = self._stub.GetCapacity(
-            pb.GetCapacityRequest(), timeout=self.timeout, metadata=self._metadata
+        response: pb.GetCapacityResponse = with_retries(
+            self._delays,
+            lambda: self._stub.GetCapacity(
+                pb.GetCapacityRequest(), timeout=self.timeout, metadata=self._metadata
+            ),
         )
         return response
 
@@ -114,8 +166,11 @@ class SandboxClient:
 
     async def aexecute(self, call: Call | str) -> pb.ExecutionResult:
         request = pb.ExecuteRequest(execution=_to_execution(call, self._next_id()))
-        response: pb.ExecuteResponse = await self._aio_stub().Execute(
-            request, timeout=self.timeout, metadata=self._metadata
+        response: pb.ExecuteResponse = await with_retries_async(
+            self._delays,
+            lambda: self._aio_stub().Execute(
+                request, timeout=self.timeout, metadata=self._metadata
+            ),
         )
         return response.result
 
@@ -123,8 +178,11 @@ class SandboxClient:
         request = pb.ExecuteBatchRequest(
             executions=[_to_execution(call, self._next_id()) for call in calls]
         )
-        response = await self._aio_stub().ExecuteBatch(
-            request, timeout=self.timeout, metadata=self._metadata
+        response: pb.ExecuteBatchResponse = await with_retries_async(
+            self._delays,
+            lambda: self._aio_stub().ExecuteBatch(
+                request, timeout=self.timeout, metadata=self._metadata
+            ),
         )
         return list(response.results)
 
