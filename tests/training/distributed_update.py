@@ -11,7 +11,9 @@ and the weights folder the engines would load (weights/); every rank writes what
 
 runs one rank of the checkpoint scenario (test_checkpoint): `save` takes a step, writes the
 engines' folder in small buckets and a checkpoint, then takes the next steps; `resume` loads
-the newest checkpoint into a fresh policy and takes the same next steps.
+the newest checkpoint into a fresh policy and takes the same next steps. `damaged` and
+`full VOLUME` are test_checkpoint_integrity's: a damaged checkpoint skipped by every rank, a
+save to a volume that fills up.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from kubestar.training import checkpoint
 from kubestar.training.batch import TokenBatch, make_batch
 from kubestar.training.checkpoint import RunState
-from kubestar.training.distributed import ShardingConfig, World, close_world, shard
+from kubestar.training.distributed import ShardingConfig, World, all_reduce, close_world, shard
 from kubestar.training.policy import OptimizerConfig, Policy
 from kubestar.training.trainer import AlgorithmConfig, GrpoTrainer
 from kubestar.training.trajectory import Trajectory
@@ -119,6 +121,13 @@ def local_numel(policy: Policy) -> int:
 def run_ranks(size: int, *args: str) -> None:
     """`python -m tests.training.distributed_update ARGS` as `size` ranks on 127.0.0.1, as
     torchrun would start them; fails with the log of the first rank that failed."""
+    for rank, (code, log) in enumerate(start_ranks(size, *args)):
+        assert code == 0, f"rank {rank} failed:\n{log[-3000:]}"
+
+
+def start_ranks(size: int, *args: str, timeout: float = 300) -> list[tuple[int, str]]:
+    """Each rank's exit code and output (ranks still running after `timeout` seconds are
+    killed: a hang fails the caller instead of stalling it)."""
     from kubestar.common.net import free_port
 
     from tests.real_parts import REPO
@@ -148,14 +157,13 @@ def run_ranks(size: int, *args: str) -> None:
     logs = []
     try:
         for process in processes:
-            output, _ = process.communicate(timeout=300)
+            output, _ = process.communicate(timeout=timeout)
             logs.append(output)
     finally:
         for process in processes:
             if process.poll() is None:
                 process.kill()
-    for rank, process in enumerate(processes):
-        assert process.returncode == 0, f"rank {rank} failed:\n{logs[rank][-3000:]}"
+    return [(process.returncode, log) for process, log in zip(processes, logs, strict=True)]
 
 
 def full_parameters(policy: Policy) -> dict[str, torch.Tensor]:
@@ -252,9 +260,71 @@ def checkpoint_scenario(model_dir: Path, out: Path, phase: str) -> None:
     close_world()
 
 
+def damaged_scenario(model_dir: Path, out: Path) -> None:
+    """Checkpoints at steps 1 and 2; the largest file rank 1 hashes when step 2 is verified
+    gets one byte flipped; a fresh policy resumes from the newest good checkpoint
+    (damaged-rank-N.json: which, its step; damaged.pt: the parameters after step 1)."""
+    world = World.from_env()
+    policy, trainer = new_policy(model_dir, world)
+    checkpoints = out / "checkpoints"
+    trainer.update(trajectories() if world.main else [])
+    first = full_parameters(policy)
+    checkpoint.save(checkpoints, policy, RunState(global_step=1), keep=3)
+    trainer.update(trajectories(seed=8) if world.main else [])
+    checkpoint.save(checkpoints, policy, RunState(global_step=2), keep=3)
+    if world.main:
+        torch.save(first, out / "damaged.pt")
+        step = checkpoints / "step-000002"
+        _, parts, _ = checkpoint._verify_plan(step, world.size)
+        name = parts[1][0]  # rank 1 finds it; rank 0 must still set the checkpoint aside
+        flip_byte(step / name)
+        (out / "damaged-file.txt").write_text(name)
+    resumed, _ = new_policy(model_dir, world)
+    good = checkpoint.newest_good(checkpoints, world)
+    assert good is not None
+    state = checkpoint.load(good, resumed)
+    params = full_parameters(resumed)
+    if world.main:
+        torch.save(params, out / "resumed-damaged.pt")
+    report = {"checkpoint": good.name, "global_step": state.global_step}
+    (out / f"damaged-rank-{world.rank}.json").write_text(json.dumps(report))
+    close_world()
+
+
+def flip_byte(path: Path) -> None:
+    """Flip every bit of the byte in the middle of `path` (its size stays)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def full_scenario(model_dir: Path, out: Path, volume: Path) -> None:
+    """A checkpoint to `volume`, too small for it, with the step's weights linked from
+    `out` (another file system: rank 0 copies them); each rank records what it raised
+    (full-rank-N.json) and whether the world still works together afterwards."""
+    world = World.from_env()
+    policy, trainer = new_policy(model_dir, world)
+    trainer.update(trajectories() if world.main else [])
+    weights = policy.save_weights(out / "weights")
+    report: dict[str, object] = {}
+    try:
+        checkpoint.save(volume, policy, RunState(global_step=1), keep=2, weights=weights)
+    except checkpoint.CheckpointError as error:
+        report = {"error": type(error).__name__, "message": str(error)}
+    # Every rank left the save at the same point: the next collective pairs up.
+    report["ranks_after"] = all_reduce(1.0, world, torch.device("cpu"))
+    (out / f"full-rank-{world.rank}.json").write_text(json.dumps(report))
+    close_world()
+
+
 if __name__ == "__main__":
     if "--checkpoint" in sys.argv:
         phase = sys.argv[sys.argv.index("--checkpoint") + 1]
-        checkpoint_scenario(Path(sys.argv[1]), Path(sys.argv[2]), phase)
+        if phase == "damaged":
+            damaged_scenario(Path(sys.argv[1]), Path(sys.argv[2]))
+        elif phase == "full":
+            full_scenario(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[-1]))
+        else:
+            checkpoint_scenario(Path(sys.argv[1]), Path(sys.argv[2]), phase)
     else:
         main(Path(sys.argv[1]), Path(sys.argv[2]), "--activation-checkpointing" in sys.argv[3:])

@@ -169,16 +169,17 @@ def test_interrupted_save_is_never_resumed_and_keep_prunes(
         checkpoint.save(directory, policy, RunState(global_step=step), keep=2)
     assert sorted(p.name for p in directory.iterdir()) == ["step-000002", "step-000003"]
 
-    # A save that dies after the weights, before the trainer state: its folder stays behind.
-    def die(*_: object) -> None:
-        raise OSError("disk full")
+    # A save that fails after the weights, before the trainer state, removes its folder.
+    def fail(*_: object) -> None:
+        raise OSError("cannot write")
 
-    monkeypatch.setattr(checkpoint, "_save_sharded", die)
-    with pytest.raises(OSError, match="disk full"):
+    monkeypatch.setattr(checkpoint, "_save_sharded", fail)
+    with pytest.raises(checkpoint.CheckpointError, match=r"step-000004 failed on rank 0: .*cannot"):
         checkpoint.save(directory, policy, RunState(global_step=4), keep=2)
     monkeypatch.undo()
-    (left,) = directory.glob(".tmp-step-000004-*")
-    assert (left / "weights").exists()
+    assert not list(directory.glob(".tmp-*"))
+    # One whose process died (killed, or the node lost) leaves its folder behind.
+    (directory / ".tmp-step-000004-99999" / "weights").mkdir(parents=True)
     # A step folder without its state.json (copied by hand, say) is not complete either.
     (directory / "step-000005").mkdir()
     assert checkpoint.latest(directory) == directory / "step-000003"

@@ -146,6 +146,11 @@ class Reason(StrEnum):
     COMPLETED = "Completed"
     # The trainer raised; the message names the exception.
     TRAINER_ERROR = "TrainerError"
+    # The checkpoint volume is full (ENOSPC or EDQUOT while writing a checkpoint): the run
+    # fails (no retry), the partial checkpoint removed; the message names the folder, its
+    # volume, the space left and what to do. On a cluster the trainer states it in its
+    # termination message, which the operator passes on in TrainerReady.
+    CHECKPOINT_VOLUME_FULL = "CheckpointVolumeFull"
 
     # TrainingRun, Stalled.
     NO_PROGRESS = "NoProgress"

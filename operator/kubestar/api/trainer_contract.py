@@ -16,6 +16,8 @@ with this environment (names are the constants below):
 | KUBESTAR_SANDBOX_LIMITS | JSON of the pool's per-call limits (timeoutSeconds, memoryMib, ...) |
 | KUBESTAR_CHECKPOINT_DIR | where checkpoints go (a PVC when spec.checkpoint.pvcClaimName is set; |
 |   | else checkpointDir/NAMESPACE/NAME on trainer.sharedCheckpoints, mounted by the engines too) |
+| KUBESTAR_CHECKPOINT_VOLUME | what holds that folder, in words (a claim's name, the shared |
+|   | volume, an emptyDir): a full volume's message names it |
 | KUBESTAR_TRAINER_WORKERS | spec.trainer.workers: pods in the training world |
 | KUBESTAR_TRAINER_WORKER_INDEX | this pod's index, 0..workers-1; its first process is rank |
 |   | index x processesPerWorker |
@@ -42,6 +44,12 @@ owns `conditions`, `observedGeneration`, `stepSummary`, `trainer` and the phases
 Provisioning; it also sets Succeeded or Failed from the Job's outcome when the trainer could
 not. A report that fails is logged and dropped, never retried: training goes on, and the next
 report carries the whole state again.
+
+A trainer that fails for a reason the operator shows as it is (CheckpointVolumeFull: the
+checkpoint volume is full) writes `Reason: message` to its termination message
+(TERMINATION_LOG) and exits with that reason's code (EXIT_CHECKPOINT_VOLUME_FULL), which
+fails its Job at once (podFailurePolicy, Kubernetes 1.26 and later) instead of retrying: a
+retry would fill the same volume again. TrainerReady then carries the reason and message.
 
 The operator (kubestar.operator.build_trainer) writes this contract and the trainer
 (`kubestar train --in-cluster`) reads it; both import it from here, so neither imports the
@@ -71,10 +79,17 @@ ENV_SCHEDULER = "KUBESTAR_SCHEDULER_ENDPOINT"
 ENV_SANDBOX = "KUBESTAR_SANDBOX_ENDPOINT"
 ENV_SANDBOX_LIMITS = "KUBESTAR_SANDBOX_LIMITS"
 ENV_CHECKPOINT_DIR = "KUBESTAR_CHECKPOINT_DIR"
+ENV_CHECKPOINT_VOLUME = "KUBESTAR_CHECKPOINT_VOLUME"
 ENV_WORKERS = "KUBESTAR_TRAINER_WORKERS"
 ENV_WORKER_INDEX = "KUBESTAR_TRAINER_WORKER_INDEX"
 ENV_PROCESSES = "KUBESTAR_TRAINER_PROCESSES"
 ENV_RENDEZVOUS = "KUBESTAR_TRAINER_RENDEZVOUS"
+
+# Where the trainer container writes its termination message (the kubelet's default path).
+TERMINATION_LOG = "/dev/termination-log"
+# The exit code of a trainer whose checkpoint volume is full (ENOSPC's errno): its Job fails
+# without retrying.
+EXIT_CHECKPOINT_VOLUME_FULL = 28
 
 CONFIG_DIR = "/etc/kubestar"
 RUN_CONFIG = f"{CONFIG_DIR}/run.yaml"
@@ -102,6 +117,7 @@ class TrainerEnvironment:
     sandbox_endpoint: str
     sandbox_limits: dict[str, Any]
     checkpoint_dir: str
+    checkpoint_volume: str = ""  # e.g. "PersistentVolumeClaim run-checkpoints"
     workers: int = 1
     worker_index: int = 0
     processes: int = 1
@@ -118,6 +134,7 @@ class TrainerEnvironment:
             sandbox_endpoint=values.get(ENV_SANDBOX, ""),
             sandbox_limits=json.loads(values.get(ENV_SANDBOX_LIMITS) or "{}"),
             checkpoint_dir=values.get(ENV_CHECKPOINT_DIR, ""),
+            checkpoint_volume=values.get(ENV_CHECKPOINT_VOLUME, ""),
             workers=int(values.get(ENV_WORKERS, "1")),
             worker_index=int(values.get(ENV_WORKER_INDEX, "0")),
             processes=int(values.get(ENV_PROCESSES, "1")),

@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 from kubestar.common import logs
@@ -65,6 +65,7 @@ def train(
         load_manifests,
     )
     from kubestar.engine.models import resolve_model
+    from kubestar.training.checkpoint import CheckpointVolumeFull
     from kubestar.training.distributed import World, local_ranks
     from kubestar.training.local import LocalStack
     from kubestar.training.progress import FileReporter
@@ -166,16 +167,39 @@ def train(
             bar.close()
             click.echo(f"{stopped}; run the same command again to resume", err=True)
             sys.exit(EXIT_STOPPED)
+        except CheckpointVolumeFull as full:
+            bar.close()
+            _exit_volume_full(full, None)
     bar.close()
     report = write_report(directory)
     logging.getLogger(__name__).info("done")
     click.echo(f"{status.phase}: {status.step}/{status.total_steps} steps; report: {report}")
 
 
-def _train_rank(run: TrainingRun, directory: Path, world: World) -> None:
+def _exit_volume_full(error: Exception, termination_log: str | None) -> NoReturn:
+    """The checkpoint volume is full: say so in one line (in a cluster also as the
+    termination message, which the operator shows in TrainerReady) and exit with the code
+    that fails the trainer's Job without retrying it."""
+    from kubestar.api.trainer_contract import EXIT_CHECKPOINT_VOLUME_FULL
+    from kubestar.training.checkpoint import CheckpointVolumeFull
+
+    click.echo(f"kubestar: {error}", err=True)
+    if termination_log:
+        try:
+            Path(termination_log).write_text(f"{CheckpointVolumeFull.reason}: {error}\n")
+        except OSError as failure:  # the error itself is printed above
+            click.echo(f"kubestar: cannot write {termination_log}: {failure.strerror}", err=True)
+    sys.exit(EXIT_CHECKPOINT_VOLUME_FULL)
+
+
+def _train_rank(
+    run: TrainingRun, directory: Path, world: World, termination_log: str | None = None
+) -> None:
     """A rank other than 0: it trains its shard and takes part in every collective; rollouts,
-    status, metrics and files other than its checkpoint shards are rank 0's."""
+    status, metrics and files other than its checkpoint shards are rank 0's.
+    `termination_log`: where a pod's first process states why it failed."""
     from kubestar.engine.models import resolve_model
+    from kubestar.training.checkpoint import CheckpointVolumeFull
     from kubestar.training.distributed import close_world
     from kubestar.training.endpoints import Endpoints
     from kubestar.training.progress import FileReporter
@@ -193,6 +217,8 @@ def _train_rank(run: TrainingRun, directory: Path, world: World) -> None:
         # This rank's shard is in the checkpoint. Not a success: in a cluster every
         # worker's Job must retry, so that the world meets again and resumes.
         sys.exit(EXIT_STOPPED)
+    except CheckpointVolumeFull as full:  # every rank raises it alike
+        _exit_volume_full(full, termination_log)
     finally:
         close_world()
 
@@ -203,9 +229,10 @@ def _train_in_cluster(run: TrainingRun, directory: Path) -> None:
     Worker W of a world of workers x P processes starts ranks W*P .. W*P+P-1 (this process
     the first) and meets the other pods at worker 0's rendezvous. Rank 0 trains and reports;
     the other ranks follow its steps."""
-    from kubestar.api.trainer_contract import TrainerEnvironment
+    from kubestar.api.trainer_contract import TERMINATION_LOG, TrainerEnvironment
     from kubestar.api.v1alpha1 import CallLimitsSpec
     from kubestar.engine.models import resolve_model
+    from kubestar.training.checkpoint import CheckpointVolumeFull
     from kubestar.training.distributed import World, local_ranks, rendezvous_host
     from kubestar.training.endpoints import Endpoints
     from kubestar.training.progress import StatusPatcher
@@ -237,7 +264,7 @@ def _train_in_cluster(run: TrainingRun, directory: Path) -> None:
         pod = os.environ.get("HOSTNAME", "")
         click.echo(f"trainer worker {env.worker_index} ({pod}): rank {world.rank} of {size}")
         if not world.main:
-            _train_rank(run, directory, world)
+            _train_rank(run, directory, world, TERMINATION_LOG)
             return
         model_dir = resolve_model(run.spec.model.path or run.spec.model.name)
         endpoints = Endpoints(scheduler=env.scheduler_endpoint, sandbox=env.sandbox_endpoint)
@@ -257,4 +284,6 @@ def _train_in_cluster(run: TrainingRun, directory: Path) -> None:
             # The Job's next pod resumes from the checkpoint (trainer.backoffLimit).
             click.echo(f"{stopped}; the next trainer pod resumes from it", err=True)
             sys.exit(EXIT_STOPPED)
+        except CheckpointVolumeFull as full:
+            _exit_volume_full(full, TERMINATION_LOG)
     click.echo(f"{status.phase}: {status.step}/{status.total_steps} steps")

@@ -124,6 +124,17 @@ def broadcast(value: T, world: World) -> T:
     return box[0]  # type: ignore[no-any-return]
 
 
+def all_gather(value: T, world: World) -> list[T]:
+    """Every rank's `value` (any picklable object), in rank order, on every rank."""
+    if not world.sharded:
+        return [value]
+    import torch.distributed as dist
+
+    box: list[Any] = [None] * world.size
+    dist.all_gather_object(box, value)
+    return box
+
+
 def barrier(world: World) -> None:
     if world.sharded:
         import torch.distributed as dist

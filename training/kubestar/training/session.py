@@ -44,7 +44,7 @@ from kubestar.api.v1alpha1 import (
 from kubestar.training import checkpoint
 from kubestar.training.checkpoint import RunState
 from kubestar.training.datasets import Problem, file_problems, reasoning_gym_problems
-from kubestar.training.distributed import SINGLE, ShardingConfig, World, all_reduce, broadcast
+from kubestar.training.distributed import SINGLE, ShardingConfig, World, all_reduce
 from kubestar.training.endpoints import Endpoints
 from kubestar.training.generators import Sampling
 from kubestar.training.policy import OptimizerConfig, Policy
@@ -142,6 +142,7 @@ class TrainingSession:
         self._steps_timed: list[float] = []
         # The weights the engines should serve (folder, version), once pushed.
         self._weights: tuple[str, int] | None = None
+        self.resumed_from: Path | None = None  # the checkpoint this run resumed from
 
     # -- orchestration ----------------------------------------------------------------------
     def run_all(self) -> TrainingRunStatus:
@@ -198,6 +199,13 @@ class TrainingSession:
             self._set_phase(Phase.FAILED, Reason.INFRASTRUCTURE_FAILURES, message)
             raise
         except Exception as error:
+            # The checkpoint volume filled up (in a save, or writing the weights on it).
+            full = checkpoint.volume_full(error, self.checkpoints, self.spec.checkpoint.keep)
+            if full is not None:
+                self._set_phase(Phase.FAILED, Reason.CHECKPOINT_VOLUME_FULL, str(full))
+                if full is not error:
+                    raise full from error
+                raise
             self._set_phase(Phase.FAILED, Reason.TRAINER_ERROR, f"{type(error).__name__}: {error}")
             raise
         finally:
@@ -208,8 +216,8 @@ class TrainingSession:
     def _run(self, policy: Policy, worker: Any) -> None:
 
         main = self.world.main
-        fresh = broadcast(checkpoint.latest(self.checkpoints) is None if main else None, self.world)
         state = self._resume(policy, worker)
+        fresh = self.resumed_from is None
         if fresh and "start" in self.spec.evaluation.at:
             self._evaluate(worker, "start")
         seed = zlib.crc32(self.run.metadata.name.encode())  # stable across processes
@@ -313,9 +321,10 @@ class TrainingSession:
         )
 
     def _resume(self, policy: Policy, worker: Any) -> RunState:
-        latest = broadcast(
-            checkpoint.latest(self.checkpoints) if self.world.main else None, self.world
-        )
+        # The newest checkpoint that verifies; bad ones are set aside (every rank agrees).
+        self._doing("verifying checkpoints", f"the volume at {self.checkpoints}")
+        latest = checkpoint.newest_good(self.checkpoints, self.world)
+        self.resumed_from = latest
         if latest is None:
             return RunState()
         state = checkpoint.load(latest, policy)  # sharded: rank 0 reads, every shard loads
