@@ -207,6 +207,18 @@ def checkpoint_dir(
     return spec.checkpoint.path or settings.trainer.checkpoint_dir
 
 
+def checkpoint_volume(
+    run: Mapping[str, Any], spec: TrainingRunSpec, settings: OperatorSettings
+) -> str:
+    """What holds the checkpoint folder, in words: what a full volume's message names."""
+    if shares_checkpoints(spec, settings):
+        return "the chart's shared checkpoint volume (trainer.sharedCheckpoints)"
+    if ephemeral_checkpoints(spec, settings):
+        return "an emptyDir (checkpoint.ephemeral)"
+    claim = spec.checkpoint.pvc_claim_name or checkpoint_claim_name(run["metadata"]["name"])
+    return f"PersistentVolumeClaim {claim}"
+
+
 def trainer_env(
     run: Mapping[str, Any],
     spec: TrainingRunSpec,
@@ -229,6 +241,7 @@ def trainer_env(
         ),
         c.ENV_SANDBOX_LIMITS: json.dumps(pool.limits.model_dump(by_alias=True), sort_keys=True),
         c.ENV_CHECKPOINT_DIR: checkpoint_dir(run, spec, settings),
+        c.ENV_CHECKPOINT_VOLUME: checkpoint_volume(run, spec, settings),
         c.ENV_WORKERS: str(spec.trainer.workers),
         c.ENV_WORKER_INDEX: str(worker),
         c.ENV_PROCESSES: str(spec.trainer.processes_per_worker),
@@ -293,6 +306,10 @@ def _pod_spec(
             {"name": "shm", "mountPath": "/dev/shm"},
         ],
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        # A trainer that fails for a reason it states (CheckpointVolumeFull) writes it here;
+        # the operator passes it on in TrainerReady.
+        "terminationMessagePath": c.TERMINATION_LOG,
+        "terminationMessagePolicy": "File",
     }
     if spec.trainer.data_pvc_claim_name:
         container["volumeMounts"].append(
@@ -410,9 +427,20 @@ def job(
     }
     if server_version >= POD_FAILURE_POLICY_SINCE:
         # A pod lost to a drain, an eviction or a preemption is not the trainer's failure:
-        # it does not count against backoffLimit.
+        # it does not count against backoffLimit. A full checkpoint volume fails the Job at
+        # once: a retry would fill it again.
         job_spec["podFailurePolicy"] = {
-            "rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}]
+            "rules": [
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+                {
+                    "action": "FailJob",
+                    "onExitCodes": {
+                        "containerName": "trainer",
+                        "operator": "In",
+                        "values": [c.EXIT_CHECKPOINT_VOLUME_FULL],
+                    },
+                },
+            ]
         }
     workload = o.with_hash(
         {

@@ -26,11 +26,12 @@ STUCK_WAITING = {
     Reason.RUN_CONTAINER_ERROR,
 }
 # Reasons a kubestar container states itself, as the first word of its termination message
-# ("IsolationUnavailable: ..."): more precise than the crash loop the exit then causes.
-STATED_REASONS = {Reason.ISOLATION_UNAVAILABLE}
+# ("IsolationUnavailable: ..."): more precise than the crash loop or the exit code.
+STATED_REASONS = {Reason.ISOLATION_UNAVAILABLE, Reason.CHECKPOINT_VOLUME_FULL}
 # Worst first: the reason a condition shows when several pods have problems.
 SEVERITY = [
     Reason.ISOLATION_UNAVAILABLE,
+    Reason.CHECKPOINT_VOLUME_FULL,
     Reason.OOM_KILLED,
     Reason.CRASH_LOOP_BACK_OFF,
     Reason.IMAGE_PULL_BACK_OFF,
@@ -81,8 +82,8 @@ def stated_reason(terminated: Mapping[str, Any]) -> tuple[str, str] | None:
 
 def diagnose_pod(pod: Mapping[str, Any]) -> list[Problem]:
     """Why a pod is not (or will not be) running: a reason its container stated on exit
-    (IsolationUnavailable), image pulls, crash loops, OOM kills, scheduling (with lack of
-    GPUs named as such)."""
+    (IsolationUnavailable, CheckpointVolumeFull), image pulls, crash loops, OOM kills,
+    scheduling (with lack of GPUs named as such)."""
     name = pod.get("metadata", {}).get("name", "?")
     status = pod.get("status") or {}
     problems: list[Problem] = []
