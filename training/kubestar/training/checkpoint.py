@@ -166,8 +166,10 @@ def save(
         made, error = _attempt(lambda: _begin(directory, tmp)) if world.main else (tmp, None)
         tmp = _agree(world, made, error)[0] or tmp  # rank 0's process id names the folder
         error = None
-        if weights is None:
-            policy.save_weights(tmp / WEIGHTS)  # collective
+        if weights is None and world.sharded:
+            policy.save_weights(tmp / WEIGHTS)  # collective (see above)
+        elif weights is None:
+            _, error = _attempt(lambda: policy.save_weights(tmp / WEIGHTS))
         elif world.main:
             _, error = _attempt(lambda: _link_folder(weights, tmp / WEIGHTS))
         # Every rank writes its shards even when rank 0 could not link the weights: a rank
@@ -289,10 +291,12 @@ def _full_volume(directory: Path, what: str, keep: int) -> str:
         space = f"{_bytes(usage.free)} free of {_bytes(usage.total)}"
     except OSError:
         pass
+    bad = sorted(p.name for p in directory.glob(f"{BAD_PREFIX}*"))
+    aside = f"; {', '.join(bad)} (set aside as bad) can go once looked at" if bad else ""
     return (
         f"checkpoint volume full: {where}: {what}; {space}. Give the run a bigger volume "
         "(spec.checkpoint.storage, or a larger claim in spec.checkpoint.pvcClaimName) or keep "
-        f"fewer checkpoints (spec.checkpoint.keep, now {keep})"
+        f"fewer checkpoints (spec.checkpoint.keep, now {keep}){aside}"
     )
 
 
@@ -439,7 +443,10 @@ def verify(path: Path, world: World = SINGLE) -> Verdict:
     listing and sizes, then the ranks share the hashing); the same verdict on every rank."""
     plan: tuple[Verdict | None, list[list[str]], dict[str, dict[str, Any]]] | None = None
     if world.main:
-        plan = _verify_plan(path, world.size)
+        try:
+            plan = _verify_plan(path, world.size)
+        except OSError as error:  # a file gone while listed: the others wait for the plan
+            plan = Verdict(True, f"unreadable ({_words(error)})"), [], {}
     agreed = broadcast(plan, world)
     assert agreed is not None
     early, parts, files = agreed
@@ -533,7 +540,10 @@ def newest_good(directory: Path, world: World = SINGLE) -> Path | None:
                 )
             return path
         if world.main:
-            _set_aside(path, verdict.problem, "trying the one before")
+            try:
+                _set_aside(path, verdict.problem, "trying the one before")
+            except OSError as error:  # skipped all the same; the other ranks go on with it
+                log.warning(f"checkpoint {path} is bad: {verdict.problem}; {_words(error)}")
     return None
 
 
