@@ -27,7 +27,8 @@ MB = 1e6
 
 def old_save(directory: Path, policy: Any, step: int, weights: Path) -> Path:
     """The save before manifests: shards (fsynced by torch.distributed.checkpoint), linked
-    weights, state.json, the rename; nothing else synced, nothing hashed."""
+    weights, state.json, the rename, then the older checkpoints pruned (keep 1); nothing
+    else synced, nothing hashed."""
     from kubestar.training import checkpoint
     from kubestar.training.checkpoint import RunState
 
@@ -39,6 +40,9 @@ def old_save(directory: Path, policy: Any, step: int, weights: Path) -> Path:
     (tmp / checkpoint.STATE_FILE).write_text(RunState(global_step=step).to_json())
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
+    for older in directory.glob(f"{checkpoint.PREFIX}*"):
+        if older != final:
+            shutil.rmtree(older)
     return final
 
 
@@ -98,11 +102,8 @@ def main() -> None:
             else:
                 state = RunState(global_step=step)
                 saved = checkpoint.save(directory, policy, state, keep=1, weights=weights)
-            spent = time.perf_counter() - started
-            seconds.append(spent)
-            for older in directory.glob(f"{checkpoint.PREFIX}*"):
-                if older != saved:
-                    shutil.rmtree(older)
+            seconds.append(time.perf_counter() - started)
+            assert checkpoint.latest(directory) == saved
 
     newest = checkpoint.latest(scratch / "new")
     assert newest is not None
