@@ -201,7 +201,8 @@ async def test_the_trainers_stream_executor_sends_the_token(
             assert (result.status, result.stdout) == (OK, "42\n")
         refused = await without.execute(Call(code=touch(marker)))
         assert refused.status == pb.EXECUTION_STATUS_INTERNAL
-        assert "UNAUTHENTICATED" in refused.message
+        # UNAUTHENTICATED, or INTERNAL when grpc.aio's write races the refusal (see above).
+        assert "UNAUTHENTICATED" in refused.message or "INTERNAL" in refused.message
     finally:
         for tools in (given, from_environment, without):
             await tools.close()
