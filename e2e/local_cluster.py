@@ -489,7 +489,10 @@ class FakeKubelet:
         }
 
     @staticmethod
-    def terminated(pod: Mapping[str, Any], exit_code: int, reason: str) -> dict[str, Any]:
+    def terminated(
+        pod: Mapping[str, Any], exit_code: int, reason: str, message: str = ""
+    ) -> dict[str, Any]:
+        """A status whose first container exited (with its termination message)."""
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         name = pod["spec"]["containers"][0]["name"]
         return {
@@ -505,6 +508,7 @@ class FakeKubelet:
                         "terminated": {
                             "exitCode": exit_code,
                             "reason": reason,
+                            **({"message": message} if message else {}),
                             "startedAt": now,
                             "finishedAt": now,
                         }

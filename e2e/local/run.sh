@@ -39,6 +39,9 @@ e2e_output
 teardown() {
     local rc=0
     step "cluster stop" "$HERE/cluster.sh" stop "$DIR" || rc=1
+    # The small volume the full-checkpoint-volume test mounts (unmounted by the test itself
+    # unless it was interrupted).
+    if mountpoint -q "$DIR/e2e-full-volume"; then umount "$DIR/e2e-full-volume" || rc=1; fi
     rm -rf "$SHARED"
     return $rc
 }

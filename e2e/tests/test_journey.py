@@ -16,6 +16,7 @@ isolation the node refuses says IsolationUnavailable instead of becoming Ready.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import time
@@ -25,6 +26,7 @@ from typing import Any
 import pytest
 
 from e2e.tests.conftest import CHART, MANIFESTS, Settings
+from e2e.tests.faults import COMPONENT, INSTANCE, Injector, activity, cost, metrics_log
 from e2e.tests.kube import Obj, Recorder, Tools, Watch, condition, wait_for
 
 pytestmark = pytest.mark.journey
@@ -677,6 +679,170 @@ def test_run_succeeds_with_step_metrics_and_checkpoint(tools: Tools, settings: S
     lines = watch.lines()
     assert lines[0].split()[:4] == ["NAME", "PHASE", "STAGE", "STEP"], lines[:2]
     assert any(re.search(rf"^{RUN}\s+Training\s+\S+\s+\d/2", line) for line in lines), lines
+
+
+FAULTS, FULL = "e2e-faults", "e2e-full"
+
+
+def checkpoint_host_dir(settings: Settings) -> Path:
+    """The node's checkpoint folder, where the fault tests read the trainer's metrics log
+    and mount a small volume: this machine is the node only on the local cluster."""
+    if settings.checkpoint_host_dir is None:
+        if os.environ.get("CI"):
+            pytest.fail("KUBESTAR_E2E_CHECKPOINT_HOST_DIR is not set (e2e/local/run.sh sets it)")
+        pytest.skip("needs the node's checkpoint folder on this machine (the local cluster)")
+    return settings.checkpoint_host_dir
+
+
+def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
+    tools: Tools, settings: Settings
+) -> None:
+    """Delete the trainer pod while step 2 rolls out, the scheduler pod while step 4's
+    weights are pushed, the sandbox dispatcher pod while step 6's tool calls run: the run
+    succeeds, each step is in the metrics log once, no rollout sampled from weights older
+    than the previous step's, and the cost of each fault is in the notes."""
+    host_dir = checkpoint_host_dir(settings)
+    tools.kubectl_text("apply", "-n", settings.namespace, "-f", str(MANIFESTS / "faults-run.yaml"))
+    faults = Injector(tools, settings.namespace, FAULTS)
+    recorder = Recorder(tools, "trainingrun", FAULTS, settings.namespace, interval=1.0)
+    recorder.start()
+    try:
+        trainer = (f"{INSTANCE}={FAULTS}", f"{COMPONENT}=trainer")
+        status = faults.wait_status(
+            "step 2's rollout", lambda s: activity(s) == "rolling out step 2", timeout=600
+        )
+        first_trainer = faults.running_pod(*trainer)
+        faults.delete("trainer", first_trainer, status)
+        faults.wait_step(3, timeout=600)
+
+        status = faults.wait_status(
+            "step 4's weights push", lambda s: activity(s) == "pushing weights v4", timeout=300
+        )
+        scheduler = faults.running_pod(f"{INSTANCE}={FLEET}", f"{COMPONENT}=scheduler")
+        faults.delete("scheduler", scheduler, status)
+        faults.wait_step(5, timeout=600)
+
+        status = faults.wait_status(
+            "step 6's rollout", lambda s: activity(s) == "rolling out step 6", timeout=300
+        )
+        # In the middle of the step's tool calls: once the dispatcher has answered some.
+        answered = sum(
+            dispatcher_metrics(tools, settings).get(f"results.{s}", 0) for s in ("ok", "error")
+        )
+        wait_for(
+            "step 6's first tool calls",
+            lambda: (
+                sum(
+                    dispatcher_metrics(tools, settings).get(f"results.{s}", 0)
+                    for s in ("ok", "error")
+                )
+                > answered
+            ),
+            timeout=120,
+            interval=0.2,
+        )
+        dispatcher = faults.running_pod(f"{INSTANCE}={POOL}", f"{COMPONENT}=sandbox-dispatcher")
+        faults.delete("dispatcher", dispatcher, faults.status())
+
+        def finished() -> Obj | None:
+            status = run_status(tools, settings, FAULTS)
+            return status if status.get("phase") in ("Succeeded", "Failed") else None
+
+        final = wait_for(
+            "the run with faults to finish", finished, timeout=settings.run_timeout, interval=2
+        )
+    finally:
+        recorder.stop()
+        recorder.dump(settings.out / "faults-statuses.jsonl")
+    assert final["phase"] == "Succeeded", json.dumps(final, indent=1)
+    assert final["step"] == 6, final
+
+    steps = metrics_log(host_dir, settings.namespace, FAULTS)
+    (settings.out / "faults-metrics.jsonl").write_text(
+        "".join(json.dumps(step) + "\n" for step in steps)
+    )
+    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5, 6], steps
+    # Step N's rollouts sampled from weights N-1 (version 0: the model as it started).
+    assert [s["oldest_weights_version"] for s in steps] == [0, 1, 2, 3, 4, 5], steps
+    # The trainer's pod stopped after checkpointing step 2 and the Job's next one resumed.
+    pods = tools.items("pods", settings.namespace, *trainer)
+    exits = sorted(
+        (c.get("state") or {}).get("terminated", {}).get("exitCode")
+        for pod in pods
+        for c in (pod.get("status") or {}).get("containerStatuses") or []
+    )
+    assert exits == [0, 143], exits
+    log = tools.kubectl_text("logs", first_trainer, "-n", settings.namespace)
+    (settings.out / f"{first_trainer}.log").write_text(log)
+    assert "stopped on request after step 2" in log, log[-2000:]
+    report = cost(faults.faults, steps)
+    report["rollout_attempts"] = [s.get("rollout_attempts") for s in steps]
+    report["spoiled"] = [s.get("spoiled") for s in steps]
+    settings.notes["faults"] = report
+
+
+def test_a_full_checkpoint_volume_fails_the_run_naming_it(tools: Tools, settings: Settings) -> None:
+    """A run whose checkpoint claim is a 16 MiB tmpfs fails at its first weights with
+    CheckpointVolumeFull naming the claim, and its Job does not retry (Kubernetes 1.20 has
+    no podFailurePolicy: the operator stops it)."""
+    folder = checkpoint_host_dir(settings).parent / "e2e-full-volume"
+    folder.mkdir(exist_ok=True)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m,mode=1777", "kubestar-e2e-full", str(folder)],
+        check=True,
+    )
+    text = (
+        (MANIFESTS / "full-volume-run.yaml")
+        .read_text()
+        .replace("NAMESPACE", settings.namespace)
+        .replace("FOLDER", str(folder))
+    )
+    try:
+        tools.kubectl_text("apply", "-n", settings.namespace, "-f", "-", input_text=text)
+
+        def failed() -> Obj | None:
+            status = run_status(tools, settings, FULL)
+            return status if status.get("phase") in ("Failed", "Succeeded") else None
+
+        final = wait_for(
+            "the run on a full volume to fail",
+            failed,
+            timeout=600,
+            interval=2,
+            describe=lambda: json.dumps(run_status(tools, settings, FULL), indent=1),
+        )
+        assert final["phase"] == "Failed", json.dumps(final, indent=1)
+        ready = condition({"status": final}, "TrainerReady")
+        assert ready is not None and ready["reason"] == "CheckpointVolumeFull", final
+        assert "PersistentVolumeClaim e2e-full-volume" in ready["message"], ready
+        settings.notes["checkpoint_volume_full"] = ready["message"]
+        job = tools.kubectl_json("get", "job", f"{FULL}-trainer", "-n", settings.namespace)
+        wait_for(
+            "the full run's Job to be scaled to no pods",
+            lambda: (
+                tools.kubectl_json("get", "job", f"{FULL}-trainer", "-n", settings.namespace)[
+                    "spec"
+                ].get("parallelism")
+                == 0
+            ),
+            timeout=60,
+        )
+        pods = tools.items("pods", settings.namespace, f"{INSTANCE}={FULL}")
+        assert len(pods) == 1, [p["metadata"]["name"] for p in pods]  # no retry
+        assert job["spec"]["backoffLimit"] > 0  # a retry it would have made
+    finally:
+        tools.kubectl_run(
+            "delete",
+            "-n",
+            settings.namespace,
+            "-f",
+            "-",
+            "--wait=true",
+            input_text=text,
+            check=False,
+            timeout=300,
+        )
+        subprocess.run(["umount", str(folder)], check=False)
 
 
 def test_a_pool_without_the_isolation_it_needs_is_not_ready(

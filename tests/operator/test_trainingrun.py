@@ -177,6 +177,37 @@ def test_trainer_oom_fails_the_run(
     )
 
 
+def test_a_full_checkpoint_volume_fails_the_run_without_retries(
+    cluster: LocalCluster, operator: OperatorProcess, kubelet: FakeKubelet, namespace: str
+) -> None:
+    """On a server without podFailurePolicy (this one) the Job would retry a trainer that
+    states CheckpointVolumeFull, and fill the same volume again: the operator fails the run
+    at once and scales the Job to no pods."""
+    start_run(cluster, kubelet, namespace)
+    api = cluster.api()
+    job_path = apis("batch/v1", namespace, "jobs", "tiny-cpu-trainer")
+    job = wait_for("the trainer Job", lambda: api.get(job_path))
+    assert job["spec"]["backoffLimit"] == 6 and job["spec"].get("parallelism", 1) == 1
+    (pod,) = wait_for(
+        "the trainer pod",
+        lambda: kubelet.pods(namespace, f"{INSTANCE}=tiny-cpu,{COMPONENT}=trainer"),
+    )
+    full = "checkpoint volume full: /ckpt (PersistentVolumeClaim tiny-cpu-checkpoints): ..."
+    kubelet.set_status(pod, kubelet.terminated(pod, 28, "Error", f"CheckpointVolumeFull: {full}"))
+    wait_phase(cluster, namespace, "tiny-cpu", "Failed", timeout=30)
+    trainer = condition(api.get(kubestar(namespace, "trainingruns", "tiny-cpu")), "TrainerReady")
+    assert trainer is not None and trainer["reason"] == "CheckpointVolumeFull", trainer
+    assert "PersistentVolumeClaim tiny-cpu-checkpoints" in trainer["message"], trainer
+    wait_for(
+        "the Job scaled to no pods",
+        lambda: (api.get(job_path) or {}).get("spec", {}).get("parallelism") == 0,
+    )
+    wait_for(
+        "a TrainerStopped event",
+        lambda: "TrainerStopped" in {e[1] for e in events(cluster, namespace, "tiny-cpu")},
+    )
+
+
 def test_spec_changes_are_refused_while_running(
     cluster: LocalCluster, operator: OperatorProcess, kubelet: FakeKubelet, namespace: str
 ) -> None:

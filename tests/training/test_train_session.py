@@ -114,6 +114,8 @@ def test_run_crash_and_resume(tmp_path: Path) -> None:
     steps = rl_steps(tmp_path)
     assert [m["step"] for m in steps] == [1, 2, 3, 4]
     assert steps[2]["weights_versions"] == 2 and steps[3]["weights_versions"] == 3
+    # No rollout sampled from weights older than the previous step's (resume pushed v2).
+    assert [m["oldest_weights_version"] for m in steps] == [0, 1, 2, 3]
     status = json.loads((tmp_path / "run" / "status.json").read_text())
     assert status["phase"] == "Succeeded" and status["step"] == 4
     assert status["lastCheckpoint"].endswith("step-000004")

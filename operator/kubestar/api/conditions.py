@@ -136,8 +136,10 @@ class Reason(StrEnum):
     # The run is over and its trainer workload is gone.
     FINISHED = "Finished"
     JOB_FAILED = "JobFailed"
-    # An Event's reason, when the operator creates the trainer workload.
+    # Events' reasons: the operator created the trainer workload; it scaled a failed run's
+    # unfinished trainer Jobs to no pods.
     TRAINER_CREATED = "TrainerCreated"
+    TRAINER_STOPPED = "TrainerStopped"
 
     # TrainingRun, Progressing (written by the trainer).
     EVALUATING = "Evaluating"

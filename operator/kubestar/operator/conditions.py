@@ -28,6 +28,8 @@ STUCK_WAITING = {
 # Reasons a kubestar container states itself, as the first word of its termination message
 # ("IsolationUnavailable: ..."): more precise than the crash loop or the exit code.
 STATED_REASONS = {Reason.ISOLATION_UNAVAILABLE, Reason.CHECKPOINT_VOLUME_FULL}
+# Stated reasons no retry of the pod can fix: a trainer that states one has failed.
+FINAL_REASONS = {Reason.CHECKPOINT_VOLUME_FULL}
 # Worst first: the reason a condition shows when several pods have problems.
 SEVERITY = [
     Reason.ISOLATION_UNAVAILABLE,

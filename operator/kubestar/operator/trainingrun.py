@@ -166,6 +166,10 @@ def job_outcome(job: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]]
             )
     if status.get("succeeded"):
         return Outcome("succeeded", Reason.SUCCEEDED, "the trainer Job completed")
+    if reason in cond.FINAL_REASONS:
+        # What a retry cannot fix (a full volume stays full): the run fails now, also where
+        # the Job itself would retry (no podFailurePolicy before Kubernetes 1.26).
+        return Outcome("failed", reason, f"trainer pod failed: {message}")
     if reason:
         return Outcome("starting", reason, message)
     if any(cond.pod_ready(pod) for pod in pods):
@@ -462,6 +466,8 @@ async def reconcile(ctx: Context, run: dict[str, Any]) -> None:
     rollouts = rollouts_condition(reported, generation)
     if rollouts is not None:
         decision.conditions.append(rollouts)
+    if decision.phase == Phase.FAILED:
+        await stop_jobs(ctx, run, [job for job in jobs if job is not None])
     stalled = watchdog(ctx, run, decision.phase, reported, spec, generation)
     if stalled is not None:
         decision.conditions.append(stalled)
@@ -504,6 +510,33 @@ async def reconcile(ctx: Context, run: dict[str, Any]) -> None:
         extra["trainer"] = ",".join(f"Job/{job}" for job in job_names)
         extra["worldSize"] = build_trainer.world_size(spec)
     await _write(ctx, run, decision, extra)
+
+
+def finished(job: Mapping[str, Any]) -> bool:
+    return any(
+        item.get("type") in ("Complete", "Failed") and item.get("status") == ConditionStatus.TRUE
+        for item in (job.get("status") or {}).get("conditions") or []
+    )
+
+
+async def stop_jobs(
+    ctx: Context, run: Mapping[str, Any], jobs: Sequence[Mapping[str, Any]]
+) -> None:
+    """A failed run's trainer Jobs that still run or retry are scaled to no pods (their
+    other workers would wait for the failed one; a retry would fail the same way). Scaled,
+    not deleted: the pods' logs and the Jobs' history stay for `kubectl describe`."""
+    for job in jobs:
+        if finished(job) or (job.get("spec") or {}).get("parallelism") == 0:
+            continue
+        meta = job["metadata"]
+        await ctx.kube.merge_patch(
+            k.path("batch/v1", "Job", meta["namespace"], meta["name"]), {"spec": {"parallelism": 0}}
+        )
+        await ctx.event(
+            run,
+            Reason.TRAINER_STOPPED,
+            f"scaled Job {meta['name']} to no pods: the run failed",
+        )
 
 
 async def _write(

@@ -131,7 +131,7 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 
 def _summary(entry: dict[str, Any], keys: Sequence[tuple[str, str, str]]) -> list[str]:
     rows = [[title, _cell(entry.get(key), fmt)] for key, title, fmt in keys if key in entry]
-    known = {key for key, _, _ in keys} | {"step", "stage"}
+    known = {key for key, _, _ in keys} | {"step", "stage", "time"}
     rows += [
         [key, _cell(value, ".4g")]
         for key, value in sorted(entry.items())

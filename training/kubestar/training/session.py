@@ -285,15 +285,18 @@ class TrainingSession:
                 state.stage_step = step + 1
                 pushed = self._push_weights(policy, worker, version=state.global_step)
                 if main:
+                    versions = [v for t in trajectories for v in t.weights_versions]
                     metrics.update(
                         step_seconds=time.monotonic() - started,
                         rollout_seconds=rollout_seconds,
                         tokens_per_second=stats.tokens_per_s,
                         world_size=float(self.world.size),  # training processes
                         rollout_attempts=float(attempts),
-                        weights_versions=float(
-                            max((v for t in trajectories for v in t.weights_versions), default=0)
-                        ),
+                        # The newest and the oldest weights the step's rollouts sampled
+                        # from: the oldest is the previous step's unless an engine served
+                        # stale weights.
+                        weights_versions=float(max(versions, default=0)),
+                        oldest_weights_version=float(min(versions, default=0)),
                     )
                     self._record_step(stage, state, metrics)
                 # Asked to stop (any rank's SIGTERM): this step is checkpointed, then no more.
@@ -422,6 +425,7 @@ class TrainingSession:
                 "step": state.global_step,
                 "stage": stage.name,
                 "stage_step": state.stage_step,
+                "time": round(time.time(), 3),  # when the step was done (Unix seconds)
                 **metrics,
             }
         )
