@@ -137,15 +137,18 @@ def test_printer_columns_and_short_names(cluster: LocalCluster, namespace: str) 
                 "totalSteps": 2,
                 "stepSummary": "1/2",
                 "metrics": {"reward": 0.75, "accuracy": 0.5},
+                "progress": {"percentage": 50, "estimatedRemainingTimeSummary": "3m20s"},
             }
         },
     )
     out = cluster.kubectl("get", "-n", namespace, "tr").stdout
     header, row = out.splitlines()[:2]
-    assert header.split() == ["NAME", "PHASE", "STAGE", "STEP", "REWARD", "ACCURACY", "AGE"]
-    assert row.split()[:6] == ["columns", "Succeeded", "s1", "1/2", "0.75", "0.5"]
+    assert header.split() == [
+        *("NAME", "PHASE", "STAGE", "STEP", "REWARD", "ACCURACY", "PROGRESS", "TIME-LEFT", "AGE")
+    ]
+    assert row.split()[:8] == ["columns", "Succeeded", "s1", "1/2", "0.75", "0.5", "50", "3m20s"]
     wide = cluster.kubectl("get", "-n", namespace, "trainingruns", "-o", "wide").stdout
-    assert "ETA-SECONDS" in wide and "CHECKPOINT" in wide
+    assert "CHECKPOINT" in wide
     for short in ("sbp", "rf", "fleet", "trun"):
         cluster.kubectl("get", "-n", namespace, short)
     cluster.kubectl("get", "-n", namespace, "kubestar")

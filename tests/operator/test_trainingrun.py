@@ -12,7 +12,7 @@ import pytest
 from kubestar.api.conditions import now
 from kubestar.api.v1alpha1 import Activity, TrainingMetrics, TrainingRunStatus
 from kubestar.common.kube import Connection
-from kubestar.training.progress import StatusPatcher
+from kubestar.training.progress import StatusPatcher, step_progress
 
 from e2e.local_cluster import (
     FakeKubelet,
@@ -122,17 +122,28 @@ def test_run_lifecycle_to_success(
             stage="warmup",
             step=3,
             total_steps=6,
-            progress=0.5,
+            progress=step_progress(3, 6, 125.0, TrainingMetrics(reward=0.25, accuracy=0.5)),
             metrics=TrainingMetrics(reward=0.25, accuracy=0.5),
             last_checkpoint="step-2",
-            estimated_seconds_left=120.0,
         )
     )
     wait_for("step 3/6", lambda: (api.get(path) or {})["status"].get("stepSummary") == "3/6")
-    row = cluster.kubectl("get", "-n", namespace, "tr", "tiny-cpu").stdout.splitlines()[1]
-    assert row.split()[:6] == ["tiny-cpu", "Training", "warmup", "3/6", "0.25", "0.5"]
+    table = cluster.kubectl("get", "-n", namespace, "tr", "tiny-cpu").stdout.splitlines()
+    assert table[0].split()[:8] == [
+        *("NAME", "PHASE", "STAGE", "STEP", "REWARD", "ACCURACY", "PROGRESS", "TIME-LEFT")
+    ]
+    assert table[1].split()[:8] == [
+        *("tiny-cpu", "Training", "warmup", "3/6", "0.25", "0.5", "50", "2m5s")
+    ]
     status = (api.get(path) or {})["status"]
-    assert status["lastCheckpoint"] == "step-2" and status["estimatedSecondsLeft"] == 120
+    assert status["lastCheckpoint"] == "step-2"
+    progress = status["progress"]
+    assert progress["estimatedRemainingSeconds"] == 125
+    assert progress["metrics"] == [
+        {"name": "reward", "value": "0.25"},
+        {"name": "accuracy", "value": "0.5"},
+    ]
+    assert progress["lastUpdateTime"].endswith("Z")
     # ... and may touch nothing else: not the spec, not another run.
     other = example("TrainingRun", "other")
     api.create(kubestar(namespace, "trainingruns"), other)

@@ -12,7 +12,7 @@ from kubestar.api import trainer_contract
 from kubestar.api.v1alpha1 import TrainingMetrics, TrainingRunStatus
 from kubestar.common import kube
 from kubestar.common.net import free_port
-from kubestar.training.progress import StatusPatcher
+from kubestar.training.progress import StatusPatcher, duration_summary, step_progress
 
 from tests.common.fake_api_server import Certificate, FakeApiServer, in_cluster
 
@@ -25,7 +25,7 @@ def training_status(step: int) -> TrainingRunStatus:
         stage="warmup",
         step=step,
         total_steps=6,
-        progress=step / 6,
+        progress=step_progress(step, 6, 60.0 * (6 - step), TrainingMetrics(reward=0.25)),
         metrics=TrainingMetrics(reward=0.25, accuracy=0.5),
         observed_generation=3,  # the operator's field: never in the trainer's patch
     )
@@ -72,3 +72,17 @@ def test_a_failed_report_is_logged_once_and_training_goes_on(
 
     nobody = kube.Connection(server=f"http://127.0.0.1:{free_port()}")
     StatusPatcher("run", "team", nobody, timeout=5).report(training_status(1))
+
+
+def test_progress_is_reported_as_kubeflow_trainer_reports_a_trainjobs() -> None:
+    progress = step_progress(2, 3, 3725.4, TrainingMetrics(reward=0.5, tool_error_rate=0.125))
+    assert progress.percentage == 66  # rounded down: 100 only once the last step is done
+    assert progress.estimated_remaining_seconds == 3725
+    assert progress.estimated_remaining_time_summary == "1h2m"
+    dumped = progress.model_dump(by_alias=True)
+    assert dumped["metrics"] == [
+        {"name": "reward", "value": "0.5"},
+        {"name": "toolErrorRate", "value": "0.125"},
+    ]
+    assert step_progress(3, 3, 0.0, TrainingMetrics()).percentage == 100
+    assert [duration_summary(s) for s in (0, 42.4, 200, 7200)] == ["0s", "42s", "3m20s", "2h0m"]

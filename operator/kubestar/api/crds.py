@@ -265,10 +265,16 @@ KINDS: list[Kind] = [
             {"name": "Reward", "type": "number", "jsonPath": ".status.metrics.reward"},
             {"name": "Accuracy", "type": "number", "jsonPath": ".status.metrics.accuracy"},
             {
-                "name": "ETA-Seconds",
+                "name": "Progress",
                 "type": "integer",
-                "priority": 1,
-                "jsonPath": ".status.estimatedSecondsLeft",
+                "description": "RL steps done, in percent",
+                "jsonPath": ".status.progress.percentage",
+            },
+            {
+                "name": "Time-Left",
+                "type": "string",
+                "description": "Estimated time until the last step is done",
+                "jsonPath": ".status.progress.estimatedRemainingTimeSummary",
             },
             {
                 "name": "Checkpoint",

@@ -36,7 +36,7 @@ subresource, nothing else (a Role limited by resourceNames). It reports with
 `kubestar.training.progress.StatusPatcher`, which sends `trainer_patch(status)` to the status
 subresource: a JSON merge patch of the fields the trainer owns, `phase` (Evaluating, SFT,
 Training, Succeeded, Failed: kubestar.api.conditions.TRAINER_PHASES), `stage`, `step`,
-`totalSteps`, `progress`, `metrics`, `lastCheckpoint`, `estimatedSecondsLeft`,
+`totalSteps`, `progress`, `metrics`, `lastCheckpoint`,
 `rolloutRetry` (which `rollouts_condition` turns into the RolloutsHealthy condition),
 `activity` (what it does and waits on; the operator's watchdog turns an activity that does
 not move on into the Stalled condition). The operator
@@ -102,7 +102,6 @@ TRAINER_FIELDS = (
     "progress",
     "metrics",
     "lastCheckpoint",
-    "estimatedSecondsLeft",
     "rolloutRetry",
     "activity",
 )

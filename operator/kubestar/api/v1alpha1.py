@@ -816,6 +816,39 @@ class TrainingMetrics(Spec):
     )
 
 
+class ProgressMetric(Spec):
+    """One metric of the latest step, by name (as Kubeflow Trainer lists a TrainJob's)."""
+
+    name: str = Field(description="The metric's name, as in status.metrics (e.g. reward).")
+    value: str = Field(description="Its latest value, as a decimal string.")
+
+
+class Progress(Spec):
+    """How far the run is, in the shape Kubeflow Trainer reports a TrainJob's progress: what
+    dashboards and tools written for TrainJobs read."""
+
+    percentage: int = Field(
+        0, ge=0, le=100, description="RL steps done out of totalSteps, in percent (rounded down)."
+    )
+    estimated_remaining_seconds: int | None = Field(
+        None,
+        ge=0,
+        description="Seconds until the last step is done, from the durations of the last five "
+        "steps; unset before the first step.",
+    )
+    estimated_remaining_time_summary: str = Field(
+        "",
+        description="The same, for people and the Time-Left column of `kubectl get` "
+        '(e.g. "1h5m", "42s"; "0s" when done).',
+    )
+    metrics: list[ProgressMetric] = Field(
+        default_factory=list, description="The latest step's metrics, as name and value."
+    )
+    last_update_time: str = Field(
+        "", description="When the trainer last updated this (RFC 3339, the trainer's clock)."
+    )
+
+
 class Activity(Spec):
     """What the trainer is doing now (written by the trainer as it moves from one part of a
     step to the next; the operator's watchdog reads it)."""
@@ -855,17 +888,16 @@ class TrainingRunStatus(Spec):
     stage: str = Field("", description="Name of the RL stage being trained (spec.stages).")
     step: int = Field(0, description="RL steps done, over all stages.")
     total_steps: int = Field(0, description="RL steps of the whole run: the stages' steps added.")
-    progress: float = Field(0.0, description="step / totalSteps, from 0 to 1.")
+    progress: Progress = Field(
+        default_factory=Progress,
+        description="Percentage done, estimated time left and the latest metrics, as "
+        "Kubeflow Trainer reports a TrainJob's progress.",
+    )
     metrics: TrainingMetrics = Field(
         default_factory=TrainingMetrics, description="Metrics of the latest step."
     )
     last_checkpoint: str = Field(
         "", description="Folder of the newest checkpoint; a restarted trainer resumes from it."
-    )
-    estimated_seconds_left: float | None = Field(
-        None,
-        description="Estimated seconds until the last step is done, from the recent steps' "
-        "durations.",
     )
     observed_generation: int = _observed_generation()
     conditions: list[Condition] = _conditions()

@@ -12,13 +12,19 @@ import logging
 from pathlib import Path
 from typing import Any, Protocol
 
-from kubestar.api.conditions import ConditionType, Phase, condition
+from kubestar.api.conditions import ConditionType, Phase, condition, now
 from kubestar.api.trainer_contract import (
     TrainerEnvironment,
     rollouts_condition,
     trainer_patch,
 )
-from kubestar.api.v1alpha1 import API_VERSION, TrainingMetrics, TrainingRunStatus
+from kubestar.api.v1alpha1 import (
+    API_VERSION,
+    Progress,
+    ProgressMetric,
+    TrainingMetrics,
+    TrainingRunStatus,
+)
 from kubestar.common import kube
 
 log = logging.getLogger(__name__)
@@ -126,6 +132,32 @@ def set_rollouts_condition(status: TrainingRunStatus) -> None:
         return
     others = [c for c in status.conditions if c.type != ConditionType.ROLLOUTS_HEALTHY]
     status.conditions = [*others, rollouts]
+
+
+def duration_summary(seconds: float) -> str:
+    """Seconds as people read a time left: "1h5m", "3m20s", "42s"."""
+    whole = max(round(seconds), 0)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes}m"
+    return f"{minutes}m{secs}s" if minutes else f"{secs}s"
+
+
+def step_progress(
+    step: int, total_steps: int, seconds_left: float | None, metrics: TrainingMetrics
+) -> Progress:
+    """status.progress after `step` of `total_steps` (Kubeflow Trainer's TrainJob shape)."""
+    values = metrics.model_dump(by_alias=True, exclude_none=True)
+    return Progress(
+        percentage=min(100, 100 * step // max(total_steps, 1)),
+        estimated_remaining_seconds=None if seconds_left is None else round(seconds_left),
+        estimated_remaining_time_summary=(
+            "" if seconds_left is None else duration_summary(seconds_left)
+        ),
+        metrics=[ProgressMetric(name=name, value=f"{value:.4g}") for name, value in values.items()],
+        last_update_time=now(),
+    )
 
 
 def status_metrics(metrics: dict[str, float]) -> TrainingMetrics:

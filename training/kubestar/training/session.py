@@ -54,6 +54,7 @@ from kubestar.training.progress import (
     set_phase,
     set_rollouts_condition,
     status_metrics,
+    step_progress,
 )
 from kubestar.training.resilience import InfrastructureFailure, rollout_step
 from kubestar.training.stopping import StopRequest, TrainingStopped
@@ -433,9 +434,13 @@ class TrainingSession:
         recent = self._steps_timed[-5:]
         left = self.status.total_steps - state.global_step
         self.status.step = state.global_step
-        self.status.progress = state.global_step / max(self.status.total_steps, 1)
         self.status.metrics = status_metrics(metrics)
-        self.status.estimated_seconds_left = left * sum(recent) / len(recent)
+        self.status.progress = step_progress(
+            state.global_step,
+            self.status.total_steps,
+            left * sum(recent) / len(recent),
+            self.status.metrics,
+        )
         set_rollouts_condition(self.status)
         self.reporter.report(self.status)
         if self.progress:
