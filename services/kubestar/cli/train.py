@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -12,6 +13,7 @@ import click
 from kubestar.common import logs
 
 if TYPE_CHECKING:
+    from kubestar.api.trainer_contract import TrainerEnvironment
     from kubestar.api.v1alpha1 import TrainingRun
     from kubestar.training.distributed import World
 
@@ -70,6 +72,7 @@ def train(
     from kubestar.training.local import LocalStack
     from kubestar.training.progress import FileReporter
     from kubestar.training.report import write_report
+    from kubestar.training.runlock import hold_run_folder
     from kubestar.training.session import TrainingSession
     from kubestar.training.stopping import EXIT_STOPPED, StopRequest, TrainingStopped
     from tqdm import tqdm
@@ -100,80 +103,86 @@ def train(
     if world.rank > 0:  # a training rank started by rank 0 below: it follows rank 0's steps
         _train_rank(run, directory, world)
         return
-    if fresh and directory.exists():
-        import shutil
-
-        shutil.rmtree(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    source = run.spec.model.path or run.spec.model.name
-    click.echo(f"preparing model {source}", err=True)
-    model_dir = resolve_model(source)
+    # A second `kubestar train` of the folder is refused.
+    with hold_run_folder(directory):
+        if fresh:
+            for entry in directory.iterdir():
+                if entry.is_dir():
+                    shutil.rmtree(entry)
+                elif not entry.name.startswith(".trainer"):  # not the lock just taken
+                    entry.unlink()
+        source = run.spec.model.path or run.spec.model.name
+        click.echo(f"preparing model {source}", err=True)
+        model_dir = resolve_model(source)
 
-    total = sum(stage.steps for stage in run.spec.stages)
-    bar = tqdm(total=total, desc="training", unit="step", file=sys.stderr)
+        total = sum(stage.steps for stage in run.spec.stages)
+        bar = tqdm(total=total, desc="training", unit="step", file=sys.stderr)
 
-    def progress(stage: str, step: int, total_steps: int, metrics: dict[str, float]) -> None:
-        # SFT reports its own optimizer steps and loss; RL steps their rollout metrics.
-        if stage == "sft":
-            bar.set_description("sft")
-            bar.set_postfix_str(f"loss={metrics.get('loss', 0):.3f}")
-        else:
-            bar.set_description("training")
-            # kept: the trajectories RoC kept for the update (0: every group answered alike).
-            bar.set_postfix_str(
-                f"{stage} reward={metrics.get('reward', 0):.2f} "
-                f"kept={metrics.get('kept', 0):.0f}/{metrics.get('rollouts', 0):.0f} "
-                f"acc={metrics.get('accuracy', 0):.2f} "
-                f"tool_err={metrics.get('tool_error_rate', 0):.2f} "
-                f"len={metrics.get('mean_response_tokens', 0):.0f}"
-            )
-        bar.total = total_steps
-        bar.n = step
-        bar.refresh()
+        def progress(stage: str, step: int, total_steps: int, metrics: dict[str, float]) -> None:
+            # SFT reports its own optimizer steps and loss; RL steps their rollout metrics.
+            if stage == "sft":
+                bar.set_description("sft")
+                bar.set_postfix_str(f"loss={metrics.get('loss', 0):.3f}")
+            else:
+                bar.set_description("training")
+                # kept: the trajectories RoC kept for the update (0: every group answered alike).
+                bar.set_postfix_str(
+                    f"{stage} reward={metrics.get('reward', 0):.2f} "
+                    f"kept={metrics.get('kept', 0):.0f}/{metrics.get('rollouts', 0):.0f} "
+                    f"acc={metrics.get('accuracy', 0):.2f} "
+                    f"tool_err={metrics.get('tool_error_rate', 0):.2f} "
+                    f"len={metrics.get('mean_response_tokens', 0):.0f}"
+                )
+            bar.total = total_steps
+            bar.n = step
+            bar.refresh()
 
-    stack = LocalStack.for_run(
-        pool, fleet, model_dir, directory / "logs", engine_python=engine_python
-    )
-    click.echo(
-        f"starting sandbox, {max(fleet.spec.replicas, 1)} engine(s) and the scheduler "
-        f"(logs in {directory / 'logs'})",
-        err=True,
-    )
-    # The other training ranks: this command again, with torchrun's environment. Locally
-    # every worker's processes run on this machine.
-    trainer = run.spec.trainer
-    processes = 1 if "WORLD_SIZE" in os.environ else trainer.workers * trainer.processes_per_worker
-    rank_command = [sys.executable, "-m", "kubestar.cli.main", "train", "-f", manifest]
-    rank_command += ["--run-dir", str(directory), "--log-level", log_level]
-    stop = StopRequest().install()
-    with (
-        stack.running() as endpoints,
-        local_ranks(processes, rank_command, directory / "logs") as ranks,
-    ):
-        session = TrainingSession(
-            run,
-            endpoints,
-            directory,
-            model_dir,
-            FileReporter(directory / "status.json"),
-            progress=progress,
-            call_limits=pool.spec.limits,
-            world=ranks if ranks.sharded else world,
-            stop=stop,
+        stack = LocalStack.for_run(
+            pool, fleet, model_dir, directory / "logs", engine_python=engine_python
         )
-        try:
-            status = session.run_all()
-        except TrainingStopped as stopped:
-            bar.close()
-            click.echo(f"{stopped}; run the same command again to resume", err=True)
-            sys.exit(EXIT_STOPPED)
-        except CheckpointVolumeFull as full:
-            bar.close()
-            _exit_volume_full(full, None)
-    bar.close()
-    report = write_report(directory)
-    logging.getLogger(__name__).info("done")
-    click.echo(f"{status.phase}: {status.step}/{status.total_steps} steps; report: {report}")
+        click.echo(
+            f"starting sandbox, {max(fleet.spec.replicas, 1)} engine(s) and the scheduler "
+            f"(logs in {directory / 'logs'})",
+            err=True,
+        )
+        # The other training ranks: this command again, with torchrun's environment. Locally
+        # every worker's processes run on this machine.
+        trainer = run.spec.trainer
+        processes = (
+            1 if "WORLD_SIZE" in os.environ else trainer.workers * trainer.processes_per_worker
+        )
+        rank_command = [sys.executable, "-m", "kubestar.cli.main", "train", "-f", manifest]
+        rank_command += ["--run-dir", str(directory), "--log-level", log_level]
+        stop = StopRequest().install()
+        with (
+            stack.running() as endpoints,
+            local_ranks(processes, rank_command, directory / "logs") as ranks,
+        ):
+            session = TrainingSession(
+                run,
+                endpoints,
+                directory,
+                model_dir,
+                FileReporter(directory / "status.json"),
+                progress=progress,
+                call_limits=pool.spec.limits,
+                world=ranks if ranks.sharded else world,
+                stop=stop,
+            )
+            try:
+                status = session.run_all()
+            except TrainingStopped as stopped:
+                bar.close()
+                click.echo(f"{stopped}; run the same command again to resume", err=True)
+                sys.exit(EXIT_STOPPED)
+            except CheckpointVolumeFull as full:
+                bar.close()
+                _exit_volume_full(full, None)
+        bar.close()
+        report = write_report(directory)
+        logging.getLogger(__name__).info("done")
+        click.echo(f"{status.phase}: {status.step}/{status.total_steps} steps; report: {report}")
 
 
 def _exit_volume_full(error: Exception, termination_log: str | None) -> NoReturn:
@@ -229,15 +238,9 @@ def _train_in_cluster(run: TrainingRun, directory: Path) -> None:
     Worker W of a world of workers x P processes starts ranks W*P .. W*P+P-1 (this process
     the first) and meets the other pods at worker 0's rendezvous. Rank 0 trains and reports;
     the other ranks follow its steps."""
-    from kubestar.api.trainer_contract import TERMINATION_LOG, TrainerEnvironment
-    from kubestar.api.v1alpha1 import CallLimitsSpec
-    from kubestar.engine.models import resolve_model
-    from kubestar.training.checkpoint import CheckpointVolumeFull
-    from kubestar.training.distributed import World, local_ranks, rendezvous_host
-    from kubestar.training.endpoints import Endpoints
-    from kubestar.training.progress import StatusPatcher
-    from kubestar.training.session import TrainingSession
-    from kubestar.training.stopping import EXIT_STOPPED, StopRequest, TrainingStopped
+    from kubestar.api.trainer_contract import TrainerEnvironment
+    from kubestar.training.distributed import World
+    from kubestar.training.runlock import hold_run_folder
 
     env = TrainerEnvironment.from_env()
     if env.checkpoint_dir:
@@ -249,6 +252,23 @@ def _train_in_cluster(run: TrainingRun, directory: Path) -> None:
         _train_rank(run, directory, World.from_env())
         return
     directory.mkdir(parents=True, exist_ok=True)
+    # A replacement pod waits here until the pod it replaces has checkpointed and exited.
+    with hold_run_folder(directory, f"trainer-worker-{env.worker_index}", wait=True):
+        _train_worker_pod(run, directory, env)
+
+
+def _train_worker_pod(run: TrainingRun, directory: Path, env: TrainerEnvironment) -> None:
+    """This trainer pod's ranks, once it holds its worker's lock on the run folder."""
+    from kubestar.api.trainer_contract import TERMINATION_LOG
+    from kubestar.api.v1alpha1 import CallLimitsSpec
+    from kubestar.engine.models import resolve_model
+    from kubestar.training.checkpoint import CheckpointVolumeFull
+    from kubestar.training.distributed import local_ranks, rendezvous_host
+    from kubestar.training.endpoints import Endpoints
+    from kubestar.training.progress import StatusPatcher
+    from kubestar.training.session import TrainingSession
+    from kubestar.training.stopping import EXIT_STOPPED, StopRequest, TrainingStopped
+
     size = env.workers * env.processes
     master = None
     if size > 1:
