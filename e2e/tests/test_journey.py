@@ -592,6 +592,56 @@ def test_the_planes_refuse_calls_without_the_installations_token(
     assert seen["with"] == {"sandbox": "OK", "scheduler": "OK", "engine": 200}, seen
 
 
+OPENAI = r"""
+import json, openai
+token = open("{token_file}").read().strip()
+client = openai.OpenAI(base_url="{base}", api_key=token, max_retries=0)
+models = [m.id for m in client.models.list().data]
+chat = client.chat.completions.create(
+    model=models[0], messages=[{{"role": "user", "content": "What is 3 + 4?"}}],
+    max_tokens=16, temperature=0, extra_body={{"return_token_ids": True}},
+    extra_headers={{"X-Session-ID": "e2e-openai"}},
+)
+try:
+    openai.OpenAI(base_url="{base}", api_key="wrong", max_retries=0).models.list()
+    refused = False
+except openai.AuthenticationError:
+    refused = True
+print(json.dumps({{
+    "models": models, "content": chat.choices[0].message.content,
+    "token_ids": len(chat.choices[0].model_extra["token_ids"]),
+    "completion_tokens": chat.usage.completion_tokens, "refused": refused,
+}}))
+"""
+
+
+def test_the_fleet_is_one_openai_endpoint(tools: Tools, settings: Settings) -> None:
+    """The openai package, from a pod of the namespace, against the fleet's OpenAI-compatible
+    API (the scheduler's, in front of the vLLM engine): the model is listed, a chat turn
+    comes back with its token ids, and a caller without the installation's token is refused."""
+    fleet = tools.get("rolloutfleet", FLEET, settings.namespace)
+    assert fleet is not None
+    base = fleet["status"].get("openaiEndpoint", "")
+    assert base.endswith(":8011/v1"), fleet["status"]
+    script = OPENAI.format(token_file="/var/run/secrets/kubestar/auth/token", base=base)
+    output = tools.kubectl_text(
+        "exec",
+        "-n",
+        settings.namespace,
+        f"deploy/{POOL}-sandbox",
+        "--",
+        "python",
+        "-c",
+        script,
+        timeout=300,
+    )
+    seen = json.loads(output.strip().splitlines()[-1])
+    settings.notes["openai_front"] = seen
+    assert seen["models"] == ["SmolLM2-135M-Instruct"], seen
+    assert seen["token_ids"] == seen["completion_tokens"] >= 1, seen
+    assert seen["refused"] is True, seen
+
+
 def test_run_succeeds_with_step_metrics_and_checkpoint(tools: Tools, settings: Settings) -> None:
     recorder = Journey.recorder
     assert recorder is not None

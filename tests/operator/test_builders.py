@@ -301,6 +301,37 @@ def test_scheduler_is_wired_to_the_engines() -> None:
     ]
 
 
+def test_the_openai_port_serves_the_fleets_model_through_the_scheduler() -> None:
+    fleet = parent("RolloutFleet", "f")
+    off = RolloutFleetSpec.model_validate({"model": {"name": "SmolLM2-135M-Instruct"}})
+    assert (
+        "--openai-listen"
+        not in containers(build_fleet.scheduler_deployment(fleet, off, OperatorSettings()))[0][
+            "command"
+        ]
+    )
+    assert build_fleet.openai_endpoint("f", "ns", off, OperatorSettings()) == ""
+    spec = RolloutFleetSpec.model_validate(
+        {"model": {"name": "SmolLM2-135M-Instruct"}, "scheduler": {"openaiPort": 8001}}
+    )
+    (container,) = containers(build_fleet.scheduler_deployment(fleet, spec, OperatorSettings()))
+    command = container["command"]
+    assert command[command.index("--openai-listen") + 1] == "0.0.0.0:8001"
+    assert command[command.index("--tokenizer") + 1] == "SmolLM2-135M-Instruct"
+    assert command[command.index("--served-model-name") + 1] == "SmolLM2-135M-Instruct"
+    assert {"name": "openai", "containerPort": 8001, "protocol": "TCP"} in container["ports"]
+    service = build_fleet.scheduler_service(fleet, spec)
+    assert [p["name"] for p in service["spec"]["ports"]] == ["grpc", "openai"]
+    assert build_fleet.openai_endpoint("f", "ns", spec, OperatorSettings()) == (
+        "http://f-scheduler.ns.svc.cluster.local:8001/v1"
+    )
+    # Its callers run wherever the user runs them (the API requires the token).
+    _, scheduler_policy = build_fleet.network_policies(fleet, OperatorSettings(), openai=True)
+    assert {"ports": [{"protocol": "TCP", "port": "openai"}]} in scheduler_policy["spec"]["ingress"]
+    _, closed = build_fleet.network_policies(fleet, OperatorSettings())
+    assert len(closed["spec"]["ingress"]) == 2
+
+
 def tiny_run() -> tuple[dict[str, Any], TrainingRunSpec, RolloutFleetSpec, SandboxPoolSpec]:
     resources = {type(r).__name__: r for r in load_manifests(EXAMPLES / "tiny-cpu.yaml")}
     run = resources["TrainingRun"]

@@ -277,6 +277,15 @@ class SchedulerSpec(Spec):
         "seconds is taken out (named in the fleet's Ready condition) and loads them when it "
         "comes back; the other engines go on with the new weights.",
     )
+    openai_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="TCP port of the scheduler's OpenAI-compatible API (/v1/models, "
+        "/v1/completions, /v1/chat/completions, status.openaiEndpoint): an OpenAI client or "
+        "verl's agent loop uses the fleet as one endpoint, through the same scheduling. The "
+        "X-Session-ID header (or the user field) keeps a session on one engine. 0: off.",
+    )
 
 
 class RolloutFleetSpec(Spec):
@@ -988,6 +997,11 @@ class RolloutFleetStatus(Spec):
     scheduler_endpoint: str = Field(
         "",
         description="HOST:PORT of the scheduler's gRPC service, where rollouts are requested.",
+    )
+    openai_endpoint: str = Field(
+        "",
+        description="http://HOST:PORT/v1 of the scheduler's OpenAI-compatible API, when "
+        "spec.scheduler.openaiPort is set.",
     )
     engines: list[EngineStatus] = Field(
         default_factory=list, description="Each engine's readiness and KV cache."

@@ -63,6 +63,30 @@ def scheduler_endpoint(
     return f"{scheduler_name(fleet)}.{namespace}.svc.{domain}:{spec.scheduler.port}"
 
 
+def _mount_model(container: o.Obj, volumes: list[o.Obj], spec: RolloutFleetSpec) -> None:
+    """The model's claim, read-only at MODEL_MOUNT (where model_argument points)."""
+    container["volumeMounts"].append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    volumes.append(
+        {
+            "name": "model",
+            "persistentVolumeClaim": {"claimName": spec.model.pvc_claim_name, "readOnly": True},
+        }
+    )
+
+
+def openai_endpoint(
+    fleet: str, namespace: str, spec: RolloutFleetSpec, settings: OperatorSettings
+) -> str:
+    """The OpenAI-compatible API's base URL ("" when spec.scheduler.openaiPort is 0)."""
+    port = spec.scheduler.openai_port
+    if not port:
+        return ""
+    if settings.network.host_network:
+        return f"http://127.0.0.1:{port}/v1"
+    domain = settings.network.cluster_domain
+    return f"http://{scheduler_name(fleet)}.{namespace}.svc.{domain}:{port}/v1"
+
+
 def model_argument(spec: RolloutFleetSpec) -> str:
     """What the engine's --model gets: a PVC mount, a path, or an embedded/hub name."""
     model = spec.model
@@ -227,18 +251,7 @@ def engine_deployment(
         {"name": "tmp", "emptyDir": {}},
     ]
     if spec.model.pvc_claim_name:
-        container["volumeMounts"].append(
-            {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
-        )
-        volumes.append(
-            {
-                "name": "model",
-                "persistentVolumeClaim": {
-                    "claimName": spec.model.pvc_claim_name,
-                    "readOnly": True,
-                },
-            }
-        )
+        _mount_model(container, volumes, spec)
     shared = settings.trainer.shared_checkpoints
     if shared.enabled:
         # The weights each trainer pushes are read from the trainer's checkpoint volume, at
@@ -418,6 +431,19 @@ def scheduler_deployment(
         "securityContext": o.restricted_container_security(),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }
+    if spec.scheduler.openai_port:
+        # The OpenAI-compatible API: the tokenizer and chat template of the served model.
+        container["command"] += [
+            "--openai-listen",
+            o.listen_address(settings.network.bind_address, spec.scheduler.openai_port),
+            "--tokenizer",
+            model_argument(spec),
+            "--served-model-name",
+            spec.model.name or model_argument(spec),
+        ]
+        container["ports"].append(
+            {"name": "openai", "containerPort": spec.scheduler.openai_port, "protocol": "TCP"}
+        )
     if settings.network.host_network:
         for item in container["ports"]:
             item["hostPort"] = item["containerPort"]
@@ -433,6 +459,8 @@ def scheduler_deployment(
         "containers": [container],
         "volumes": [{"name": "tmp", "emptyDir": {}}],
     }
+    if spec.scheduler.openai_port and spec.model.pvc_claim_name:
+        _mount_model(container, pod["volumes"], spec)  # its tokenizer and chat template
     _network(pod, settings)
     scheduler = o.with_hash(
         {
@@ -468,18 +496,33 @@ def scheduler_service(fleet: Mapping[str, Any], spec: RolloutFleetSpec) -> o.Obj
                         "port": spec.scheduler.port,
                         "targetPort": "grpc",
                         "protocol": "TCP",
-                    }
+                    },
+                    *(
+                        [
+                            {
+                                "name": "openai",
+                                "port": spec.scheduler.openai_port,
+                                "targetPort": "openai",
+                                "protocol": "TCP",
+                            }
+                        ]
+                        if spec.scheduler.openai_port
+                        else []
+                    ),
                 ],
             },
         }
     )
 
 
-def network_policies(fleet: Mapping[str, Any], settings: OperatorSettings) -> list[o.Obj]:
+def network_policies(
+    fleet: Mapping[str, Any], settings: OperatorSettings, openai: bool = False
+) -> list[o.Obj]:
     """Engines: reached only by their scheduler and the namespace's trainer pods (which push
     weights). The scheduler: reached by trainer pods and the operator (and on the metrics
-    port). Egress stays open: engines may fetch a model, the scheduler asks the API server
-    for its engines."""
+    port, and with `openai` on the OpenAI-compatible API's port, whose callers are wherever
+    the user runs them: it requires the installation's token). Egress stays open: engines
+    may fetch a model, the scheduler asks the API server for its engines."""
     name = fleet["metadata"]["name"]
     engines = o.selector_labels("RolloutFleet", name, ENGINE)
     scheduler = o.selector_labels("RolloutFleet", name, SCHEDULER)
@@ -514,6 +557,7 @@ def network_policies(fleet: Mapping[str, Any], settings: OperatorSettings) -> li
             ingress=[
                 {"from": callers, "ports": o.tcp_ports("grpc")},
                 {"ports": o.tcp_ports("metrics")},
+                *([{"ports": o.tcp_ports("openai")}] if openai else []),
             ],
         ),
     ]
@@ -524,7 +568,7 @@ def children(
 ) -> list[o.Obj]:
     """Everything a RolloutFleet owns, in creation order."""
     policies = (
-        network_policies(fleet, settings)
+        network_policies(fleet, settings, openai=bool(spec.scheduler.openai_port))
         if settings.network_policies.enabled and not settings.network.host_network
         else []
     )

@@ -115,6 +115,9 @@ def fleet_status(
         "schedulerEndpoint": build_fleet.scheduler_endpoint(
             meta["name"], meta["namespace"], spec, settings
         ),
+        "openaiEndpoint": build_fleet.openai_endpoint(
+            meta["name"], meta["namespace"], spec, settings
+        ),
         "engines": per_engine,
         "kvCapacityTokens": sum(known) if known else None,
     }

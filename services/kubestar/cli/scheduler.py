@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -15,6 +16,7 @@ from kubestar.common.auth import load_token
 from kubestar.scheduler.client import SchedulerClient
 from kubestar.scheduler.config import SchedulerConfig
 from kubestar.scheduler.core import POLICIES
+from kubestar.scheduler.openai_front import OpenAIFrontConfig
 from kubestar.scheduler.server import DiscoveryConfig, ServerConfig, serve
 
 T = TypeVar("T")
@@ -100,6 +102,23 @@ def scheduler() -> None:
     show_default=True,
     help="On SIGTERM, how long queued and running turns may finish.",
 )
+@click.option(
+    "--openai-listen",
+    default="",
+    help="Also serve the OpenAI-compatible API (/v1/models, /v1/completions, "
+    "/v1/chat/completions) at HOST:PORT; needs --tokenizer.",
+)
+@click.option(
+    "--tokenizer",
+    default="",
+    help="The served model (a folder or a model name kubestar resolves): its tokenizer and "
+    "chat template, for the OpenAI API.",
+)
+@click.option(
+    "--served-model-name",
+    default="",
+    help="The model's name in the OpenAI API (default: the --tokenizer folder's name).",
+)
 @auth_token_file_option()
 @click.option("--log-level", default="info", show_default=True)
 def serve_command(
@@ -119,6 +138,9 @@ def serve_command(
     metrics_port: int,
     metrics_address: str,
     drain_seconds: float,
+    openai_listen: str,
+    tokenizer: str,
+    served_model_name: str,
     auth_token_file: str | None,
     log_level: str,
 ) -> None:
@@ -129,6 +151,21 @@ def serve_command(
     """
     logs.configure(log_level)
     token = load_token(auth_token_file)
+    openai = None
+    if openai_listen:
+        if not tokenizer:
+            raise click.UsageError("--openai-listen needs --tokenizer (the served model)")
+        from kubestar.engine.models import ModelNotFound, resolve_model
+
+        try:
+            folder = str(resolve_model(tokenizer))
+        except ModelNotFound:  # a hub name: transformers finds it in its cache or the hub
+            folder = tokenizer
+        openai = OpenAIFrontConfig(
+            listen=openai_listen,
+            model_name=served_model_name or Path(tokenizer).name,
+            tokenizer=folder,
+        )
     config = ServerConfig(
         listen=listen,
         engines=[parse_engine(e) for e in engines],
@@ -149,6 +186,7 @@ def serve_command(
         metrics_address=metrics_address,
         drain_seconds=drain_seconds,
         auth_token=token,
+        openai=openai,
     )
     asyncio.run(serve(config))
 

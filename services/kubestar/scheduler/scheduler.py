@@ -60,6 +60,10 @@ from kubestar.v1 import rollout_pb2 as pb
 log = logging.getLogger(__name__)
 
 
+# A finished part of a turn: its token ids, text and (when asked for) logprobs.
+SegmentCallback = Callable[[list[int], str, list[float]], None]
+
+
 @dataclass(eq=False)
 class Turn:
     """One turn of a trajectory, from Generate until its response: queued, or running on an
@@ -90,6 +94,8 @@ class Turn:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
+    # Called with each finished segment's tokens, text and logprobs (streaming callers).
+    on_segment: SegmentCallback | None = None
 
     @property
     def remaining(self) -> int:
@@ -171,7 +177,10 @@ class Scheduler:
         prompt_token_ids: Sequence[int],
         max_new_tokens: int,
         sampling: pb.SamplingParams | None = None,
+        on_segment: SegmentCallback | None = None,
     ) -> pb.GenerateResponse:
+        """Run one turn; `on_segment` sees each part of it as it is done (a segment of
+        SchedulerConfig.segment_tokens, or the whole turn)."""
         if self._draining:
             raise SchedulerDraining("the scheduler is shutting down")
         if not prompt_token_ids:
@@ -204,6 +213,7 @@ class Scheduler:
             future=asyncio.get_running_loop().create_future(),
             arrived=now,
             queued_since=now,
+            on_segment=on_segment,
         )
         self._queue.append(turn)
         self._dispatch()
@@ -430,6 +440,8 @@ class Scheduler:
         turn.text += text
         if turn.sampling.logprobs:
             turn.logprobs += logprobs
+        if turn.on_segment is not None:
+            turn.on_segment(list(token_ids), text, list(logprobs) if turn.sampling.logprobs else [])
         return finish_reason, stop_reason
 
     def _finish(self, turn: Turn, engine: Engine, used_tokens: int) -> None:
@@ -501,6 +513,10 @@ class Scheduler:
         self._update_availability()
         self._dispatch()
 
+    def available(self) -> bool:
+        """Whether a turn sent now would be admitted by some engine (health checks)."""
+        return bool(self._available)
+
     def _update_availability(self) -> None:
         available = not self._draining and bool(self._engines.admitting())
         if available != self._available:
@@ -532,6 +548,12 @@ class Scheduler:
         finally:
             self._paused = False
             self._dispatch()
+
+    def context_length(self) -> int:
+        """The longest prompt + completion every engine that takes turns can hold (0 while
+        none has said)."""
+        limits = [e.max_model_len for e in self._engines.states() if e.healthy and e.max_model_len]
+        return min(limits, default=0)
 
     def status(self) -> pb.GetSchedulerStatusResponse:
         return proto.status_response(

@@ -23,6 +23,7 @@ from kubestar.scheduler.errors import (
     UnknownEngine,
 )
 from kubestar.scheduler.metrics import SchedulerMetrics
+from kubestar.scheduler.openai_front import OpenAIFront, OpenAIFrontConfig
 from kubestar.scheduler.scheduler import Scheduler
 from kubestar.v1 import rollout_pb2 as pb
 from kubestar.v1 import rollout_pb2_grpc as pb_grpc
@@ -57,6 +58,8 @@ class ServerConfig:
     # The installation's token (kubestar.common.auth): every call but health checks must
     # carry it. "": no authentication. The engines' token is scheduler.engine_token.
     auth_token: str = field(default="", repr=False)
+    # The OpenAI-compatible HTTP front (kubestar.scheduler.openai_front); None: off.
+    openai: OpenAIFrontConfig | None = None
 
 
 def _code(error: Exception) -> grpc.StatusCode:
@@ -151,6 +154,7 @@ class SchedulerServer:
         )
         self.health = health.aio.HealthServicer()
         self.discovery: KubernetesDiscovery | None = None
+        self.openai: OpenAIFront | None = None
         self.port = 0
         self._health_tasks: set[asyncio.Task[None]] = set()
 
@@ -177,6 +181,10 @@ class SchedulerServer:
         if self.config.metrics_port:
             address = f"{self.config.metrics_address}:{self.config.metrics_port}"
             check_can_listen(address, "--metrics-port")
+        if self.config.openai is not None:
+            check_can_listen(self.config.openai.listen, "--openai-listen")
+            # Loads the tokenizer: a missing one fails here, before anything serves.
+            self.openai = OpenAIFront(self.scheduler, self.config.openai, self.config.auth_token)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         pb_grpc.add_RolloutSchedulerServiceServicer_to_server(
@@ -192,6 +200,8 @@ class SchedulerServer:
                 self.scheduler, d.selector, d.namespace, d.port, d.interval
             )
             self.discovery.start()
+        if self.openai is not None:
+            await self.openai.start()
         if self.config.metrics_port:
             start_metrics_server(
                 self.config.metrics_port, self.config.metrics_address, self.metrics.registry
@@ -214,6 +224,8 @@ class SchedulerServer:
         """Graceful drain: NOT_SERVING, finish queued and running turns, then close."""
         grace = self.config.drain_seconds if grace_seconds is None else grace_seconds
         await self.health.enter_graceful_shutdown()
+        if self.openai is not None:
+            await self.openai.stop()
         if self.discovery is not None:
             await self.discovery.stop()
         await self.scheduler.drain(grace)

