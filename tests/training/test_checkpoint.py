@@ -29,6 +29,7 @@ from tests.training.distributed_update import (  # noqa: E402
     new_policy,
     next_steps,
     run_ranks,
+    sft_batch,
 )
 
 WORLD_SIZE = 2
@@ -235,3 +236,21 @@ async def test_vllm_loads_a_bucketed_folder_as_it_loads_one_file(
         await client.close()
     assert from_split == from_whole
     assert from_split != original
+
+
+def test_a_checkpoint_of_an_optimizer_that_never_stepped_loads(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """SFT, then the RL optimizer's reset, then a checkpoint before any RL update (every group
+    answered alike): a restarted trainer loads it. (It used to fail: the SFT step's leftover
+    gradients kept torch from making the optimizer's state at save, a fresh one made it at
+    load, and the keys did not match.)"""
+    policy, _ = new_policy(model_dir, World())
+    policy.sft_step(sft_batch())
+    policy.reset_optimizer(1e-6)
+    path = checkpoint.save(tmp_path, policy, RunState(global_step=2), keep=2)
+    fresh, _ = new_policy(model_dir, World())
+    assert checkpoint.load(path, fresh).global_step == 2
+    assert_same_parameters(
+        dict(fresh.model.named_parameters()), dict(policy.model.named_parameters())
+    )

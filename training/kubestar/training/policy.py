@@ -204,6 +204,10 @@ class Policy:
         tensors at world size 1. Nothing is gathered."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        # An optimizer that has not stepped (RL right after SFT's reset, every group uniform)
+        # gets its state made here, as it will be on load: torch only makes it when no
+        # gradient is left over, and a checkpoint without it could not be loaded.
+        self.optimizer.zero_grad(set_to_none=True)
         model, optimizer = get_state_dict(self.model, self.optimizer)
         return {"model": model, "optimizer": optimizer}
 
