@@ -169,14 +169,14 @@ async def test_streaming_sends_each_segment_as_the_scheduler_finishes_it(
         whole = await client.completions.create(
             model=MODEL_NAME,
             prompt=[1000 + k for k in range(40)],
-            max_tokens=64,
+            max_tokens=200,
             temperature=0,
             extra_body={"return_token_ids": True},
         )
         stream = await client.completions.create(
             model=MODEL_NAME,
             prompt=[1000 + k for k in range(40)],
-            max_tokens=64,
+            max_tokens=200,
             temperature=0,
             stream=True,
             stream_options={"include_usage": True},
