@@ -831,13 +831,17 @@ def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1)), steps
     # Step N's rollouts sampled from weights N-1 (version 0: the SFT model).
     assert [s["oldest_weights_version"] for s in steps] == list(range(STEPS)), steps
+
     # The trainer's pod stopped after checkpointing step 2 and the Job's next one resumed.
-    pods = tools.items("pods", settings.namespace, *trainer)
-    exits = sorted(
-        (c.get("state") or {}).get("terminated", {}).get("exitCode")
-        for pod in pods
-        for c in (pod.get("status") or {}).get("containerStatuses") or []
-    )
+    def exit_codes() -> list[int] | None:
+        codes = [
+            (c.get("state") or {}).get("terminated", {}).get("exitCode")
+            for pod in tools.items("pods", settings.namespace, *trainer)
+            for c in (pod.get("status") or {}).get("containerStatuses") or []
+        ]
+        return sorted(codes) if codes and None not in codes else None
+
+    exits = wait_for("the trainer pods to have exited", exit_codes, timeout=120, interval=2)
     assert exits == [0, 143], exits
     log = tools.kubectl_text("logs", first_trainer, "-n", settings.namespace)
     (settings.out / f"{first_trainer}.log").write_text(log)
