@@ -59,6 +59,7 @@ def session_like_entries() -> list[dict[str, Any]]:
                 "positive_tool_error_rate": 0.3 - 0.03 * step,
                 "mean_response_tokens": 300.0 - 10 * step,
                 "kept_response_tokens": 250.0 - 8 * step,
+                "clip_fraction": 0.01 * step,
                 "tokens_per_second": 150.0 + step,
                 "step_seconds": 60.0 + step,
                 "tool_calls_per_trajectory": 1.25,
@@ -111,7 +112,7 @@ def test_report_has_the_table_summaries_and_plots(tmp_path: Path) -> None:
     # One table row per RL step, in order, with the step's numbers.
     rows = [line for line in text.splitlines() if line.startswith(("| 1 |", "| 8 |"))]
     assert rows[0].startswith(
-        "| 1 | warmup | 0.100 | 8 | 0.500 | 0.050 | 1.25 | 0.450 | 0.270 | 290 |"
+        "| 1 | warmup | 0.100 | 8 | 0.500 | 0.050 | 1.25 | 0.450 | 0.270 | 290 | 0.010 |"
     )
     assert rows[-1].startswith("| 8 | harder | 0.800 | 8 | 0.500 | 0.400 |")
     body = text.split("## RL steps")[1].split("###")[0]

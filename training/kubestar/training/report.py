@@ -1,5 +1,6 @@
 """The report of a run: `run_dir/report/report.md` (per-step table, SFT and evaluation
-summaries) and PNG plots of reward, accuracy, tool-error rates and response length per step.
+summaries) and PNG plots of reward, accuracy, tool-error rates, response length and the
+update's clip fraction per step.
 
 It reads `run_dir/metrics.jsonl` (one JSON object per line, see TrainingSession): RL steps
 carry `step`, `stage` and the step's metrics; an entry with stage `sft` holds the SFT stage's
@@ -30,6 +31,7 @@ STEP_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("tool_error_rate", "tool err", ".3f"),
     ("positive_tool_error_rate", "tool err (kept +)", ".3f"),
     ("mean_response_tokens", "resp tokens", ".0f"),
+    ("clip_fraction", "clip frac", ".3f"),
     ("answered_rate", "answered", ".2f"),
     ("tokens_per_second", "tokens/s", ".1f"),
     ("step_seconds", "step s", ".1f"),
@@ -83,6 +85,12 @@ PLOTS: tuple[tuple[str, str, str, tuple[tuple[str, str], ...]], ...] = (
             ("mean_response_tokens", "mean, all rollouts"),
             ("kept_response_tokens", "mean, kept trajectories"),
         ),
+    ),
+    (
+        "clip_fraction.png",
+        "Clipped tokens (the update's ratio outside [1 - clipLow, 1 + clipHigh])",
+        "fraction of tokens",
+        (("clip_fraction", "clip fraction"),),
     ),
 )
 
