@@ -84,8 +84,8 @@ class Tools:
 
     def items(self, kind: str, namespace: str, *selectors: str) -> list[Obj]:
         args = ["get", kind, "-n", namespace]
-        for selector in selectors:
-            args += ["-l", selector]
+        if selectors:  # one -l: kubectl keeps only the last of several
+            args += ["-l", ",".join(selectors)]
         result: list[Obj] = self.kubectl_json(*args).get("items", [])
         return result
 

@@ -334,8 +334,11 @@ class TrainingSession:
         state = checkpoint.load(latest, policy)  # sharded: rank 0 reads, every shard loads
         if not self.world.main:
             return state
-        log.info(
-            "resuming",
+        # A warning: after the first start, a resume means the trainer was restarted.
+        log.warning(
+            "resuming from %s (step %d)",
+            latest,
+            state.global_step,
             extra={"fields": {"checkpoint": str(latest), "global_step": state.global_step}},
         )
         self.metrics.truncate_after(state.global_step)
