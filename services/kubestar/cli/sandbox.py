@@ -94,6 +94,14 @@ def sandbox() -> None:
     help="Write why the server could not start, in one line, to this file (Kubernetes "
     "shows it in the pod's status: the container's terminationMessagePath).",
 )
+@click.option(
+    "--http-listen",
+    default="",
+    metavar="HOST:PORT",
+    help="Also serve SandboxFusion's HTTP API (POST /run_code, GET /v1/ping) and code-judge's "
+    "(POST /run/long-batch, /run/batch, /run) at HOST:PORT, on the same executors or workers, "
+    "limits and token (off by default).",
+)
 @auth_token_file_option()
 @click.option("--log-level", default="info", show_default=True)
 def serve_command(
@@ -111,6 +119,7 @@ def serve_command(
     uid_base: int,
     drain_seconds: float,
     termination_log: str | None,
+    http_listen: str,
     auth_token_file: str | None,
     log_level: str,
 ) -> None:
@@ -136,6 +145,7 @@ def serve_command(
         metrics_port=metrics_port,
         metrics_address=metrics_address,
         drain_seconds=drain_seconds,
+        http_listen=http_listen,
     )
     try:
         config.auth_token = load_token(auth_token_file)

@@ -15,6 +15,7 @@ from kubestar.common.net import check_can_listen, start_metrics_server
 from kubestar.sandbox.backend import Backend
 from kubestar.sandbox.dispatcher import WorkerDispatcher
 from kubestar.sandbox.executor import ExecutorConfig
+from kubestar.sandbox.http_front import HttpFront
 from kubestar.sandbox.limits import server_message_options
 from kubestar.sandbox.pool import ExecutorPool
 from kubestar.sandbox.service import SandboxServicer
@@ -41,6 +42,9 @@ class ServerConfig:
     # The installation's token (kubestar.common.auth): every call but health checks must
     # carry it, and a dispatcher sends it to its workers. "": no authentication.
     auth_token: str = field(default="", repr=False)
+    # HOST:PORT of the HTTP dialects (SandboxFusion's, code-judge's: kubestar.sandbox.
+    # http_front), on the same backend and token; "": off.
+    http_listen: str = ""
 
 
 def build_backend(config: ServerConfig) -> Backend:
@@ -69,6 +73,15 @@ class SandboxServer:
         )
         self.health = health.aio.HealthServicer()
         self.port = 0
+        self.http: HttpFront | None = None
+        if config.http_listen:
+            self.http = HttpFront(
+                config.http_listen,
+                self.backend,
+                config.executor.policy,
+                config.auth_token,
+                config.bounds,
+            )
 
     async def start(self) -> None:
         # Before anything starts: a taken address is the user's to fix, in one line.
@@ -76,12 +89,16 @@ class SandboxServer:
         if self.config.metrics_port:
             address = f"{self.config.metrics_address}:{self.config.metrics_port}"
             check_can_listen(address, "--metrics-port")
+        if self.config.http_listen:
+            check_can_listen(self.config.http_listen, "--http-listen")
         await self.backend.start()
         servicer = SandboxServicer(self.backend, self.config.bounds.max_in_flight_per_stream)
         pb_grpc.add_SandboxServiceServicer_to_server(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(self.config.listen)
         await self.server.start()
+        if self.http is not None:
+            await self.http.start()
         if self.config.metrics_port:
             start_metrics_server(self.config.metrics_port, self.config.metrics_address)
         for name in ("", SERVICE_NAME):
@@ -97,6 +114,7 @@ class SandboxServer:
                     "workers": self.config.workers,
                     "executors": self.config.executors,
                     "metrics_port": self.config.metrics_port,
+                    "http_port": self.http.port if self.http is not None else None,
                     "authentication": bool(self.config.auth_token),
                 }
             },
@@ -107,6 +125,8 @@ class SandboxServer:
         grace = self.config.drain_seconds if grace_seconds is None else grace_seconds
         await self.health.enter_graceful_shutdown()
         await self.backend.drain(grace)
+        if self.http is not None:  # its running requests were answered in the drain
+            await self.http.stop()
         await self.server.stop(grace=1.0)
         await self.backend.stop()
         log.info("sandbox stopped")
