@@ -332,6 +332,35 @@ def test_the_openai_port_serves_the_fleets_model_through_the_scheduler() -> None
     assert len(closed["spec"]["ingress"]) == 2
 
 
+def test_the_http_port_serves_the_sandbox_dialects_from_the_dispatcher() -> None:
+    pool = parent("SandboxPool", "pool")
+    off = SandboxPoolSpec()
+    (container,) = containers(build_sandbox.dispatcher_deployment(pool, off, OperatorSettings()))
+    assert "--http-listen" not in container["command"]
+    assert [p["name"] for p in container["ports"]] == ["grpc", "metrics"]
+    assert build_sandbox.http_endpoint("pool", "team", off, OperatorSettings()) == ""
+    _, closed = build_sandbox.network_policies(pool, off, OperatorSettings())
+    assert len(closed["spec"]["ingress"]) == 2
+
+    spec = SandboxPoolSpec.model_validate({"httpPort": 8080})
+    (container,) = containers(build_sandbox.dispatcher_deployment(pool, spec, OperatorSettings()))
+    command = container["command"]
+    assert command[command.index("--http-listen") + 1] == "0.0.0.0:8080"
+    assert {"name": "http", "containerPort": 8080, "protocol": "TCP"} in container["ports"]
+    service = build_sandbox.dispatcher_service(pool, spec)
+    assert [p["name"] for p in service["spec"]["ports"]] == ["grpc", "http"]
+    assert build_sandbox.http_endpoint("pool", "team", spec, OperatorSettings()) == (
+        "http://pool-sandbox.team.svc.cluster.local:8080"
+    )
+    # Its callers run wherever the user runs verl (the APIs require the token); the workers
+    # stay reachable by the dispatcher only.
+    workers, dispatcher = build_sandbox.network_policies(pool, spec, OperatorSettings())
+    assert {"ports": [{"protocol": "TCP", "port": "http"}]} in dispatcher["spec"]["ingress"]
+    assert workers == build_sandbox.network_policies(pool, off, OperatorSettings())[0]
+    with pytest.raises(ValidationError, match="httpPort must differ from port"):
+        SandboxPoolSpec.model_validate({"httpPort": 50051})
+
+
 def tiny_run() -> tuple[dict[str, Any], TrainingRunSpec, RolloutFleetSpec, SandboxPoolSpec]:
     resources = {type(r).__name__: r for r in load_manifests(EXAMPLES / "tiny-cpu.yaml")}
     run = resources["TrainingRun"]

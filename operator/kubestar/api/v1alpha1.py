@@ -151,6 +151,20 @@ class SandboxPoolSpec(Spec):
         le=65535,
         description="TCP port of the dispatcher's gRPC service (status.endpoint).",
     )
+    http_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="TCP port of the dispatcher's HTTP APIs in the dialects verl and "
+        "rStar2-Agent call (SandboxFusion's /run_code, code-judge's /run/long-batch; "
+        "status.httpEndpoint): the same workers, limits, isolation and token. 0: off.",
+    )
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> SandboxPoolSpec:
+        if self.http_port and self.http_port == self.port:
+            raise ValueError("httpPort must differ from port (the dispatcher's gRPC port)")
+        return self
 
 
 # --- RolloutFleet ------------------------------------------------------------------------
@@ -955,6 +969,11 @@ class SandboxPoolStatus(Spec):
     endpoint: str = Field(
         "",
         description="HOST:PORT of the dispatcher's gRPC service, where tool calls are sent.",
+    )
+    http_endpoint: str = Field(
+        "",
+        description="http://HOST:PORT of the dispatcher's HTTP APIs (SandboxFusion's "
+        "/run_code, code-judge's /run/long-batch), when spec.httpPort is set.",
     )
     isolation: str = Field(
         "",

@@ -76,6 +76,18 @@ def endpoint(pool: str, namespace: str, spec: SandboxPoolSpec, settings: Operato
     return f"{dispatcher_name(pool)}.{namespace}.svc.{domain}:{spec.port}"
 
 
+def http_endpoint(
+    pool: str, namespace: str, spec: SandboxPoolSpec, settings: OperatorSettings
+) -> str:
+    """The base URL of the dispatcher's HTTP dialects ("" when spec.httpPort is 0)."""
+    if not spec.http_port:
+        return ""
+    if settings.network.host_network:
+        return f"http://127.0.0.1:{spec.http_port}"
+    domain = settings.network.cluster_domain
+    return f"http://{dispatcher_name(pool)}.{namespace}.svc.{domain}:{spec.http_port}"
+
+
 def _pod_security(settings: OperatorSettings) -> o.Obj:
     uid = settings.sandbox.run_as_user
     security: o.Obj = {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid, "fsGroup": uid}
@@ -242,7 +254,15 @@ def dispatcher_deployment(
         "--metrics-address",
         bind,
     ]
+    if spec.http_port:
+        # SandboxFusion's and code-judge's HTTP dialects, next to gRPC.
+        args += ["--http-listen", o.listen_address(bind, spec.http_port)]
     container = _container("dispatcher", spec, settings, args, spec.port, metrics)
+    if spec.http_port:
+        port = {"name": "http", "containerPort": spec.http_port, "protocol": "TCP"}
+        if settings.network.host_network:
+            port["hostPort"] = spec.http_port
+        container["ports"].append(port)
     container["resources"] = {
         "requests": {"cpu": "100m", "memory": "128Mi"},
         "limits": {"ephemeral-storage": EPHEMERAL_STORAGE_LIMIT},
@@ -276,7 +296,19 @@ def dispatcher_service(pool: Mapping[str, Any], spec: SandboxPoolSpec) -> o.Obj:
             "spec": {
                 "selector": o.selector_labels("SandboxPool", name, DISPATCHER),
                 "ports": [
-                    {"name": "grpc", "port": spec.port, "targetPort": "grpc", "protocol": "TCP"}
+                    {"name": "grpc", "port": spec.port, "targetPort": "grpc", "protocol": "TCP"},
+                    *(
+                        [
+                            {
+                                "name": "http",
+                                "port": spec.http_port,
+                                "targetPort": "http",
+                                "protocol": "TCP",
+                            }
+                        ]
+                        if spec.http_port
+                        else []
+                    ),
                 ],
             },
         }
@@ -288,7 +320,9 @@ def network_policies(
 ) -> list[o.Obj]:
     """Workers: reached only by their dispatcher (and on the metrics port), reaching
     nothing. The dispatcher: reached by the namespace's trainer pods (and on the metrics
-    port), reaching its workers and name lookups."""
+    port, and with spec.httpPort on the HTTP dialects' port, whose callers are wherever the
+    user runs verl: it requires the installation's token), reaching its workers and name
+    lookups."""
     name = pool["metadata"]["name"]
     workers = o.selector_labels("SandboxPool", name, WORKER)
     dispatcher = o.selector_labels("SandboxPool", name, DISPATCHER)
@@ -307,7 +341,11 @@ def network_policies(
             dispatcher_name(name),
             DISPATCHER,
             dispatcher,
-            ingress=[{"from": [o.trainer_pods()], "ports": o.tcp_ports("grpc")}, metrics],
+            ingress=[
+                {"from": [o.trainer_pods()], "ports": o.tcp_ports("grpc")},
+                metrics,
+                *([{"ports": o.tcp_ports("http")}] if spec.http_port else []),
+            ],
             egress=[
                 {"to": [o.pods_of(workers)], "ports": o.tcp_ports(worker_port(spec))},
                 o.DNS_EGRESS,

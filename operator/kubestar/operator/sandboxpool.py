@@ -79,6 +79,9 @@ def pool_status(
         "readyReplicas": ready_workers,
         "capacity": ready_workers * spec.executors_per_pod if ready_dispatchers else 0,
         "endpoint": build_sandbox.endpoint(meta["name"], meta["namespace"], spec, settings),
+        "httpEndpoint": build_sandbox.http_endpoint(
+            meta["name"], meta["namespace"], spec, settings
+        ),
         "isolation": spec.isolation,
     }
     return status, ready

@@ -25,7 +25,7 @@ import json
 import logging
 import math
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -334,9 +334,3 @@ def bearer(authorization: str | None) -> str | None:
     except (binascii.Error, ValueError):
         return None
     return f"Bearer {decoded.partition(':')[2]}"
-
-
-def require_type(items: Sequence[Any], loc: Loc) -> None:
-    """Every element of a list is a JSON object."""
-    for i, item in enumerate(items):
-        an_object(item, (*loc, i))
