@@ -391,6 +391,12 @@ async def test_long_batch_answers_each_submission_in_order(
     assert empty["success"] and empty["stdout"] == ""
     assert len({r["sub_id"] for r in results}) == len(results)
 
+    # One submission (`/run`), and `/run/batch`, answer the same way.
+    status, single = post(f"{worker[1]}/run", others[0], bearer())
+    assert status == 200 and single["success"] and single["stdout"] == "9\n"
+    status, batch = post(f"{worker[1]}/run/batch", {"submissions": others[:2]}, bearer())
+    assert status == 200 and [r["success"] for r in batch["results"]] == [True, False]
+
 
 @pytest.mark.parametrize(
     ("body", "loc", "words"),
