@@ -834,8 +834,18 @@ def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
 
     # The deleted pod (gone from the API once it exited) checkpointed step 2; the Job's next
     # pod waited for it to exit, then resumed from that checkpoint.
-    job = tools.kubectl_json("get", "job", f"{FAULTS}-trainer", "-n", settings.namespace)
-    assert job["status"].get("succeeded") == 1, job["status"]
+    # (The trainer reports Succeeded just before its pod exits.)
+    wait_for(
+        "the faults run's Job to complete",
+        lambda: (
+            tools.kubectl_json("get", "job", f"{FAULTS}-trainer", "-n", settings.namespace)[
+                "status"
+            ].get("succeeded")
+            == 1
+        ),
+        timeout=120,
+        interval=2,
+    )
     (second,) = [p["metadata"]["name"] for p in tools.items("pods", settings.namespace, *trainer)]
     assert second != first_trainer
     log = tools.kubectl_text("logs", second, "-n", settings.namespace)
