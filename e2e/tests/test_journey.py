@@ -592,6 +592,64 @@ def test_the_planes_refuse_calls_without_the_installations_token(
     assert seen["with"] == {"sandbox": "OK", "scheduler": "OK", "engine": 200}, seen
 
 
+HTTP_DIALECTS = r"""
+import base64, json, urllib.error, urllib.request
+token = open("{token_file}").read().strip()
+
+def post(path, body, auth=True):
+    request = urllib.request.Request("{base}" + path, data=json.dumps(body).encode(),
+                                     headers={{"Content-Type": "application/json"}})
+    if auth:
+        basic = base64.b64encode(f"kubestar:{{token}}".encode()).decode()
+        request.add_header("Authorization", f"Basic {{basic}}")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, None
+
+status, fusion = post("/run_code", {{"code": "print(6 * 7)", "language": "python"}})
+_, judge = post("/run/long-batch", {{"type": "batch", "submissions": [
+    {{"type": "python", "solution": "print(int(input()) + 1)", "input": "41",
+      "expected_output": "42"}}]}})
+refused, _ = post("/run_code", {{"code": "print(1)", "language": "python"}}, auth=False)
+print(json.dumps({{"status": status, "fusion": fusion["status"],
+                   "stdout": fusion["run_result"]["stdout"],
+                   "judge": judge["results"][0]["success"], "refused": refused}}))
+"""
+
+
+def test_the_pool_speaks_sandboxfusion_and_code_judge(tools: Tools, settings: Settings) -> None:
+    """From a pod of the namespace, with the token as a URL's Basic credentials (what verl's
+    client sends): the pool's dispatcher answers SandboxFusion's /run_code and code-judge's
+    /run/long-batch on its HTTP port, and refuses a call without the token."""
+    pool = tools.get("sandboxpool", POOL, settings.namespace)
+    assert pool is not None
+    base = pool["status"].get("httpEndpoint", "")
+    assert base.endswith(":8012"), pool["status"]
+    script = HTTP_DIALECTS.format(token_file="/var/run/secrets/kubestar/auth/token", base=base)
+    output = tools.kubectl_text(
+        "exec",
+        "-n",
+        settings.namespace,
+        f"deploy/{POOL}-sandbox",
+        "--",
+        "python",
+        "-c",
+        script,
+        timeout=300,
+    )
+    seen = json.loads(output.strip().splitlines()[-1])
+    settings.notes["http_dialects"] = seen
+    assert seen == {
+        "status": 200,
+        "fusion": "Success",
+        "stdout": "42\n",
+        "judge": True,
+        "refused": 401,
+    }, seen
+
+
 OPENAI = r"""
 import json, openai
 token = open("{token_file}").read().strip()
