@@ -947,8 +947,13 @@ def test_a_full_checkpoint_volume_fails_the_run_naming_it(tools: Tools, settings
             describe=lambda: json.dumps(run_status(tools, settings, FULL), indent=1),
         )
         assert final["phase"] == "Failed", json.dumps(final, indent=1)
-        ready = condition({"status": final}, "TrainerReady")
-        assert ready is not None and ready["reason"] == "CheckpointVolumeFull", final
+
+        # The trainer reports Failed itself, then exits stating why; the operator shows it.
+        def stated() -> Obj | None:
+            ready = condition({"status": run_status(tools, settings, FULL)}, "TrainerReady")
+            return ready if ready and ready["reason"] == "CheckpointVolumeFull" else None
+
+        ready = wait_for("TrainerReady to say CheckpointVolumeFull", stated, 180, interval=2)
         assert "PersistentVolumeClaim e2e-full-volume" in ready["message"], ready
         settings.notes["checkpoint_volume_full"] = ready["message"]
         job = tools.kubectl_json("get", "job", f"{FULL}-trainer", "-n", settings.namespace)
