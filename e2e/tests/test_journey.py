@@ -101,6 +101,23 @@ def leader_logged(tools: Tools, settings: Settings, pod: str) -> bool:
     return "became leader" in done.stdout
 
 
+def run_in_dispatcher(tools: Tools, settings: Settings, script: str, timeout: float) -> Obj:
+    """Run a Python script in the pool's dispatcher pod; the JSON its last line prints."""
+    output = tools.kubectl_text(
+        "exec",
+        "-n",
+        settings.namespace,
+        f"deploy/{POOL}-sandbox",
+        "--",
+        "python",
+        "-c",
+        script,
+        timeout=timeout,
+    )
+    result: Obj = json.loads(output.strip().splitlines()[-1])
+    return result
+
+
 # --- the journey ---------------------------------------------------------------------------
 
 
@@ -486,18 +503,7 @@ def test_tool_calls_reach_nothing_from_the_sandbox(tools: Tools, settings: Setti
         "dispatcher": [dispatcher_host, 50051],
     }
     script = REACH.format(port=50051, targets=json.dumps(targets))
-    output = tools.kubectl_text(
-        "exec",
-        "-n",
-        settings.namespace,
-        f"deploy/{POOL}-sandbox",
-        "--",
-        "python",
-        "-c",
-        script,
-        timeout=180,
-    )
-    seen = json.loads(output.strip().splitlines()[-1])
+    seen = run_in_dispatcher(tools, settings, script, timeout=180)
     settings.notes["sandbox_reach"] = seen
     # The pod reaches every target: what a call cannot reach, the isolation keeps from it.
     assert set(seen["pod"].values()) == {"connected"}, seen
@@ -573,18 +579,7 @@ def test_the_planes_refuse_calls_without_the_installations_token(
         scheduler=fleet["status"]["schedulerEndpoint"],
         engine=f"http://{engine_host}:{engine_port}",
     )
-    output = tools.kubectl_text(
-        "exec",
-        "-n",
-        settings.namespace,
-        f"deploy/{POOL}-sandbox",
-        "--",
-        "python",
-        "-c",
-        script,
-        timeout=180,
-    )
-    seen = json.loads(output.strip().splitlines()[-1])
+    seen = run_in_dispatcher(tools, settings, script, timeout=180)
     settings.notes["planes_without_token"] = seen
     refused = {"sandbox": "UNAUTHENTICATED", "scheduler": "UNAUTHENTICATED", "engine": 401}
     assert seen["without"] == refused, seen
@@ -628,18 +623,7 @@ def test_the_pool_speaks_sandboxfusion_and_code_judge(tools: Tools, settings: Se
     base = pool["status"].get("httpEndpoint", "")
     assert base.endswith(":8012"), pool["status"]
     script = HTTP_DIALECTS.format(token_file="/var/run/secrets/kubestar/auth/token", base=base)
-    output = tools.kubectl_text(
-        "exec",
-        "-n",
-        settings.namespace,
-        f"deploy/{POOL}-sandbox",
-        "--",
-        "python",
-        "-c",
-        script,
-        timeout=300,
-    )
-    seen = json.loads(output.strip().splitlines()[-1])
+    seen = run_in_dispatcher(tools, settings, script, timeout=300)
     settings.notes["http_dialects"] = seen
     assert seen == {
         "status": 200,
@@ -682,18 +666,7 @@ def test_the_fleet_is_one_openai_endpoint(tools: Tools, settings: Settings) -> N
     base = fleet["status"].get("openaiEndpoint", "")
     assert base.endswith(":8011/v1"), fleet["status"]
     script = OPENAI.format(token_file="/var/run/secrets/kubestar/auth/token", base=base)
-    output = tools.kubectl_text(
-        "exec",
-        "-n",
-        settings.namespace,
-        f"deploy/{POOL}-sandbox",
-        "--",
-        "python",
-        "-c",
-        script,
-        timeout=300,
-    )
-    seen = json.loads(output.strip().splitlines()[-1])
+    seen = run_in_dispatcher(tools, settings, script, timeout=300)
     settings.notes["openai_front"] = seen
     assert seen["models"] == ["SmolLM2-135M-Instruct"], seen
     assert seen["token_ids"] == seen["completion_tokens"] >= 1, seen
