@@ -7,11 +7,13 @@ small warm-up set itself (`build_sft_examples`); `kubestar.training.sft` trains 
 * Problems: reasoning-gym generators (basic_arithmetic, chain_sum, products, gcd, lcm,
   simple_equations, fraction_simplification, prime_factorization) and simple
   instruction-following items made here (reverse a word, count letters, sort numbers, ...).
-* Solutions: one short sentence and a `<tool_call>` whose Python prints the computation; the
-  REAL output of that code (run by the sandbox); then a final turn that states the result in
-  `\\boxed{}`. About one example in seven first writes code with a bug (a misspelled name, an
-  unclosed parenthesis, adding a string to a number, an undefined function), reads the real
-  traceback, says what was wrong and fixes it.
+* Solutions: one short sentence and a `<tool_call>` whose Python prints the computation,
+  importing what it needs (`math.gcd`, `math.lcm`, `fractions.Fraction`, sympy's `solve` and
+  `factorint`); the REAL output of that code (run by the sandbox); then a final turn that
+  states the result in `\\boxed{}`. About one example in seven first writes code with a bug
+  (a misspelled name, an unclosed parenthesis, adding a string to a number, a missing
+  import), reads the real traceback, says what was wrong and sends fixed code, never the
+  same code again.
 * Format and masks: every example is produced by the agent loop itself (`AgentLoop` with a
   scripted "model" and the real sandbox via `SandboxClient`), so prompts, tool turns and
   token ownership are exactly those of RL trajectories: the assistant's text (up to
@@ -65,15 +67,15 @@ SEED_OFFSET = 7_919_000
 # How often each family is drawn. "instruction" items are made here; the others come from
 # reasoning-gym.
 DEFAULT_MIX: dict[str, float] = {
-    "basic_arithmetic": 0.35,
-    "chain_sum": 0.06,
-    "products": 0.06,
-    "gcd": 0.05,
-    "lcm": 0.05,
-    "simple_equations": 0.05,
-    "fraction_simplification": 0.04,
-    "prime_factorization": 0.04,
-    "instruction": 0.30,
+    "basic_arithmetic": 0.20,
+    "chain_sum": 0.05,
+    "products": 0.05,
+    "gcd": 0.07,
+    "lcm": 0.07,
+    "simple_equations": 0.08,
+    "fraction_simplification": 0.07,
+    "prime_factorization": 0.06,
+    "instruction": 0.35,
 }
 ERROR_FRACTION = 0.15
 
@@ -278,34 +280,34 @@ def _expression_plan(rng: random.Random, problem: Problem, with_bug: bool) -> tu
     return _numeric_attempts(rng, expression, with_bug)
 
 
+def _import_bug(code: str, name: str, module: str) -> tuple[Attempt, ...]:
+    """`code` (which starts with its import) first sent without the import: the NameError,
+    and the fix is the import, not the same code again."""
+    _, _, body = code.partition("\n")
+    return (
+        Attempt(
+            body,
+            fails=True,
+            fix_note=f"`{name}` has to be imported from `{module}` first.",
+        ),
+        Attempt(code),
+    )
+
+
 def _gcd_plan(rng: random.Random, problem: Problem, with_bug: bool) -> tuple[Attempt, ...]:
-    a, b = (int(n) for n in problem.metadata["numbers"])
-    code = _euclid(a, b)
+    numbers = ", ".join(str(int(n)) for n in problem.metadata["numbers"])
+    code = f"from math import gcd\nprint(gcd({numbers}))"
     if with_bug:
-        return (
-            Attempt(
-                f"print(gcd({a}, {b}))",
-                fails=True,
-                fix_note="`gcd` is not defined here, so I'll write Euclid's algorithm instead.",
-            ),
-            Attempt(code),
-        )
+        return _import_bug(code, "gcd", "math")
+    if len(problem.metadata["numbers"]) == 2 and rng.random() < 0.3:
+        return (Attempt(_euclid(*(int(n) for n in problem.metadata["numbers"]))),)
     return (Attempt(code),)
 
 
 def _lcm_plan(rng: random.Random, problem: Problem, with_bug: bool) -> tuple[Attempt, ...]:
-    a, b = (int(n) for n in problem.metadata["numbers"])
-    code = f"a, b = {a}, {b}\nx, y = a, b\nwhile y:\n    x, y = y, x % y\nprint(a * b // x)"
-    if with_bug:
-        return (
-            Attempt(
-                f"print(lcm({a}, {b}))",
-                fails=True,
-                fix_note="`lcm` is not defined here; I'll compute it from the GCD instead.",
-            ),
-            Attempt(code),
-        )
-    return (Attempt(code),)
+    numbers = ", ".join(str(int(n)) for n in problem.metadata["numbers"])
+    code = f"from math import lcm\nprint(lcm({numbers}))"
+    return _import_bug(code, "lcm", "math") if with_bug else (Attempt(code),)
 
 
 def _equation_plan(rng: random.Random, problem: Problem, with_bug: bool) -> tuple[Attempt, ...]:
@@ -314,27 +316,26 @@ def _equation_plan(rng: random.Random, problem: Problem, with_bug: bool) -> tupl
     if not _IDENTIFIER.match(var) or equation.count("=") != 1:
         raise ValueError(f"{problem.id}: unexpected equation {equation!r}")
     left, right = (side.strip() for side in equation.split("="))
-    code = f"for {var} in range(-10000, 10001):\n    if {left} == {right}:\n        print({var})"
-    return (Attempt(code),)
+    code = (
+        f"from sympy import Eq, solve, symbols\n{var} = symbols('{var}')\n"
+        f"print(solve(Eq({left}, {right}), {var})[0])"
+    )
+    return _import_bug(code, "symbols", "sympy") if with_bug else (Attempt(code),)
 
 
 def _fraction_plan(rng: random.Random, problem: Problem, with_bug: bool) -> tuple[Attempt, ...]:
     n, d = int(problem.metadata["numerator"]), int(problem.metadata["denominator"])
-    code = (
-        f"n, d = {n}, {d}\na, b = n, d\nwhile b:\n    a, b = b, a % b\n"
-        "print(f'{n // a}/{d // a}')"
-    )
-    return (Attempt(code),)
+    code = f"from fractions import Fraction\nprint(Fraction({n}, {d}))"
+    return _import_bug(code, "Fraction", "fractions") if with_bug else (Attempt(code),)
 
 
 def _factor_plan(rng: random.Random, problem: Problem, with_bug: bool) -> tuple[Attempt, ...]:
     number = int(problem.metadata["number"])
     code = (
-        f"n = {number}\nfactors = []\np = 2\nwhile p * p <= n:\n    while n % p == 0:\n"
-        "        factors.append(p)\n        n //= p\n    p += 1\nif n > 1:\n"
-        "    factors.append(n)\nprint(' × '.join(str(f) for f in factors))"  # noqa: RUF001
+        f"from sympy import factorint\nfactors = factorint({number})\n"
+        "print(' × '.join(str(p) for p in sorted(factors) for _ in range(factors[p])))"  # noqa: RUF001
     )
-    return (Attempt(code),)
+    return _import_bug(code, "factorint", "sympy") if with_bug else (Attempt(code),)
 
 
 PlanMaker = Callable[[random.Random, Problem, bool], tuple[Attempt, ...]]
@@ -348,8 +349,6 @@ GYM_FAMILIES: dict[str, PlanMaker] = {
     "fraction_simplification": _fraction_plan,
     "prime_factorization": _factor_plan,
 }
-# Families whose first attempt may carry a planted bug.
-BUG_FAMILIES = frozenset({"basic_arithmetic", "chain_sum", "products", "gcd", "lcm"})
 
 
 def instruction_item(rng: random.Random, index: int, seed: int) -> tuple[Problem, str, bool]:
@@ -465,7 +464,7 @@ def make_plans(
                     attempts = _numeric_attempts(rng, expression, with_bug=True)
             else:
                 problem = pools.next(family)
-                with_bug = family in BUG_FAMILIES and rng.random() < error_fraction
+                with_bug = rng.random() < error_fraction
                 attempts = GYM_FAMILIES[family](rng, problem, with_bug)
         except (KeyError, ValueError, TypeError) as exc:
             log.debug("sft plan skipped: %s", exc)
