@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from kubestar.training.datasets import (
     file_problems,
     jsonl_problems,
     load_problems,
+    mixed_problems,
     reasoning_gym_problems,
 )
 from kubestar.training.session import load_dataset
@@ -41,6 +43,40 @@ def test_reasoning_gym_config_in_the_name() -> None:
     problems = load_problems("basic_arithmetic:min_terms=2,max_terms=2,max_digits=1", limit=4)
     for problem in problems:
         assert problem.metadata["num_terms"] == 2 and problem.metadata["num_digits"] == 1
+
+
+def test_a_mix_shares_the_size_by_weight_with_unique_ids() -> None:
+    mix = [("gcd", 1.0), ("basic_arithmetic:max_terms=2", 2.0), ("basic_arithmetic", 1.0)]
+    problems = mixed_problems(mix, 10, seed=5)
+    sources = [problem.source for problem in problems]
+    # 2.5 / 5 / 2.5: the leftover one goes to the first of the largest remainders.
+    assert sorted(Counter(sources).values()) == [2, 3, 5]
+    assert Counter(sources)["basic_arithmetic:max_terms=2"] == 5
+    assert len({problem.id for problem in problems}) == 10  # one generator twice, no clash
+    assert sources != sorted(sources)  # shuffled together
+    assert mixed_problems(mix, 10, seed=5) == problems
+    assert mixed_problems(mix, 10, seed=6) != problems
+    spec = DatasetSpec.model_validate(
+        {"mix": [{"generator": g, "weight": w} for g, w in mix], "size": 10, "seed": 5}
+    )
+    assert load_dataset(spec) == problems
+
+
+def test_a_dataset_has_exactly_one_source() -> None:
+    from pydantic import ValidationError
+
+    for fields in (
+        {"generator": "gcd", "mix": [{"generator": "lcm"}]},
+        {"mix": [{"generator": "lcm"}], "path": "x.jsonl"},
+        {},
+        {"mix": []},
+    ):
+        with pytest.raises(
+            ValidationError, match=r"exactly one of generator, mix or path|at least 1"
+        ):
+            DatasetSpec.model_validate(fields)
+    with pytest.raises(ValidationError, match="greater than 0"):
+        DatasetSpec.model_validate({"mix": [{"generator": "gcd", "weight": 0}]})
 
 
 def test_gsm_symbolic() -> None:
@@ -338,3 +374,17 @@ def test_parquet_without_pyarrow_names_the_package(
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     with pytest.raises(DatasetFormatError, match=r"aime\.parquet: reading parquet needs pyarrow"):
         file_problems(file, "aime")
+
+
+def test_evaluation_accuracy_per_family() -> None:
+    from kubestar.training.datasets import Problem
+    from kubestar.training.session import accuracy_by_family
+    from kubestar.training.trajectory import Trajectory
+
+    problems = [Problem("a", "q", "1", source="gcd"), Problem("b", "q", "2", source="lcm")]
+    trajectories = [
+        Trajectory(id=f"{p}-{i}", problem_id=p, sample_index=i, question="q", reference="r",
+                   reward=reward)
+        for p, i, reward in (("a", 0, 1.0), ("a", 1, 0.0), ("b", 0, 0.0))
+    ]  # fmt: skip
+    assert accuracy_by_family(problems, trajectories) == {"gcd": 0.5, "lcm": 0.0}

@@ -176,3 +176,33 @@ def test_missing_values_and_an_empty_run(tmp_path: Path) -> None:
     written = {p.name for p in (sparse / "report").glob("*.png")}
     assert written == {"reward.png"}  # the only metric with a value
     assert "## Evaluation" not in text and "## Non-reasoning SFT" not in text
+
+
+def test_accuracy_per_family_when_the_problems_came_from_several(tmp_path: Path) -> None:
+    run_dir = tmp_path / "mixed"
+    metrics_file(
+        run_dir,
+        [
+            {
+                "step": 0,
+                "stage": "evaluation",
+                "point": "sft",
+                "eval_accuracy": 0.25,
+                "families": {"gcd": 0.5, "leg_counting:max_animals=4": 0.0},
+            },
+            {
+                "step": 4,
+                "stage": "evaluation",
+                "point": "end",
+                "eval_accuracy": 0.5,
+                "families": {"gcd": 0.75, "leg_counting:max_animals=4": 0.25},
+            },
+        ],
+    )
+    text = write_report(run_dir).read_text()
+    assert "| family | after SFT | after RL |" in text
+    assert "| gcd | 0.500 | 0.750 |" in text
+    assert "| leg_counting:max_animals=4 | 0.000 | 0.250 |" in text
+    # One family: no per-family table.
+    metrics_file(run_dir, [{"step": 0, "stage": "evaluation", "point": "end", "eval_accuracy": 1}])
+    assert "Accuracy per family" not in write_report(run_dir).read_text()

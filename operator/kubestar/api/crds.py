@@ -11,7 +11,7 @@ without one gets its model's docstring, and so do the resources themselves.
     kubestar operator crds --check helm/kubestar/crds    # exit 1 if they are stale
 
 Model validators that a structural schema can say are mirrored here (`EXTRA_RULES`): "exactly
-one of generator or path" becomes a `oneOf` of `required`, unique stage names become a list of
+one of generator, mix or path" becomes a `oneOf` of `required`, unique stage names become a list of
 type map keyed by name. The operator validates every spec with the same pydantic types too, so
 anything a 1.20 schema cannot express is still reported (as a condition) before it is used.
 """
@@ -42,7 +42,9 @@ Schema = dict[str, Any]
 
 # Schema fragments for model validators (see the module docstring), by model and field.
 EXTRA_RULES: dict[tuple[type[BaseModel], str | None], Schema] = {
-    (api.DatasetSpec, None): {"oneOf": [{"required": ["generator"]}, {"required": ["path"]}]},
+    (api.DatasetSpec, None): {
+        "oneOf": [{"required": ["generator"]}, {"required": ["mix"]}, {"required": ["path"]}]
+    },
     (api.TrainingRunSpec, "stages"): {
         "x-kubernetes-list-type": "map",
         "x-kubernetes-list-map-keys": ["name"],

@@ -431,14 +431,37 @@ class AlgorithmSpec(Spec):
     )
 
 
+class DatasetMixEntry(Spec):
+    """One reasoning-gym generator of a mixed dataset and its share."""
+
+    generator: str = Field(
+        min_length=1,
+        description="A reasoning-gym generator, optionally with its config as "
+        "name:key=value,... (e.g. leg_counting:max_animals=4).",
+    )
+    weight: float = Field(
+        1.0,
+        gt=0,
+        description="This generator's share of the dataset's size, relative to the others'.",
+    )
+
+
 class DatasetSpec(Spec):
-    """A set of problems with reference answers: a reasoning-gym generator, or a file in a
-    published format. Exactly one of generator and path is set."""
+    """A set of problems with reference answers: a reasoning-gym generator, a mix of them, or
+    a file in a published format. Exactly one of generator, mix and path is set."""
 
     generator: str | None = Field(
         None,
         description="A reasoning-gym generator that makes the problems, e.g. "
-        "basic_arithmetic, chain_sum, gcd.",
+        "basic_arithmetic, chain_sum, gcd; optionally with its config as name:key=value,... "
+        "(e.g. basic_arithmetic:min_terms=3,max_terms=5).",
+    )
+    mix: list[DatasetMixEntry] | None = Field(
+        None,
+        min_length=1,
+        description="Several reasoning-gym generators in one dataset: size problems shared "
+        "out by weight, each generator seeded with seed, shuffled together. Evaluation "
+        "reports accuracy per generator.",
     )
     path: str | None = Field(
         None,
@@ -470,8 +493,8 @@ class DatasetSpec(Spec):
 
     @model_validator(mode="after")
     def _one_source(self) -> DatasetSpec:
-        if (self.generator is None) == (self.path is None):
-            raise ValueError("set exactly one of generator or path")
+        if sum(source is not None for source in (self.generator, self.mix, self.path)) != 1:
+            raise ValueError("set exactly one of generator, mix or path")
         return self
 
 

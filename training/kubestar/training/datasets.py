@@ -4,7 +4,8 @@ A problem is a question, a reference answer and an id. Sources:
 
 * a reasoning-gym dataset name (`basic_arithmetic`, `gsm_symbolic`, ...; seeded, so the same
   name, size and seed give the same problems) — optionally `name:key=value,...` to set the
-  generator's config, e.g. `basic_arithmetic:min_terms=3,max_terms=5`;
+  generator's config, e.g. `basic_arithmetic:min_terms=3,max_terms=5`; or several of them
+  mixed by weight (`mixed_problems`);
 * a file, read in one of FORMATS:
   - `jsonl`: JSON lines, the question in `question` (or `problem`, `prompt`, `query`; a list
     of chat messages counts as its last user message), the answer in `answer` (or
@@ -23,8 +24,10 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+import math
+import random
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +89,28 @@ def reasoning_gym_problems(name: str, size: int, seed: int = 0, **config: Any) -
                 metadata=_jsonable(item.get("metadata") or {}),
             )
         )
+    return problems
+
+
+def mixed_problems(mix: Sequence[tuple[str, float]], size: int, seed: int = 0) -> list[Problem]:
+    """`size` problems from several `name[:config]` generators, shared out by weight (the
+    largest remainders get the leftover ones), each seeded with `seed`, shuffled together."""
+    total = sum(weight for _, weight in mix)
+    shares = [size * weight / total for _, weight in mix]
+    counts = [math.floor(share) for share in shares]
+    leftover = sorted(range(len(mix)), key=lambda i: counts[i] - shares[i])
+    for index in leftover[: size - sum(counts)]:
+        counts[index] += 1
+    problems: list[Problem] = []
+    for entry, ((spec, _), count) in enumerate(zip(mix, counts, strict=True)):
+        if count:
+            # The entry (config included) is the problem's source, and part of its id: two
+            # entries of one generator would otherwise make the same ids.
+            problems += [
+                replace(problem, id=f"{problem.id}-mix{entry}", source=spec)
+                for problem in load_problems(spec, count, seed)
+            ]
+    random.Random(f"kubestar-mix/{seed}").shuffle(problems)
     return problems
 
 

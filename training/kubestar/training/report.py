@@ -264,6 +264,7 @@ def write_report(run_dir: Path) -> Path:
             ],
         )
         lines.append("")
+        lines += _family_table(evaluations)
 
     plotted: list[tuple[str, str]] = []
     if steps:
@@ -281,6 +282,22 @@ def write_report(run_dir: Path) -> Path:
     path = folder / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def _family_table(evaluations: Sequence[dict[str, Any]]) -> list[str]:
+    """Accuracy per problem family at each evaluation, when the problems came from several."""
+    families = sorted({family for entry in evaluations for family in entry.get("families") or {}})
+    if not families:
+        return []
+    points = [EVALUATION_POINTS.get(str(entry.get("point", "end")), "-") for entry in evaluations]
+    rows = [
+        [
+            family,
+            *(_cell((entry.get("families") or {}).get(family), ".3f") for entry in evaluations),
+        ]
+        for family in families
+    ]
+    return ["Accuracy per family:", "", *_table(["family", *points], rows), ""]
 
 
 def _stage_summary(steps: Sequence[dict[str, Any]]) -> list[str]:

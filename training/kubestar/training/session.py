@@ -43,7 +43,7 @@ from kubestar.api.v1alpha1 import (
 )
 from kubestar.training import checkpoint
 from kubestar.training.checkpoint import RunState
-from kubestar.training.datasets import Problem, file_problems, reasoning_gym_problems
+from kubestar.training.datasets import Problem, file_problems, load_problems, mixed_problems
 from kubestar.training.distributed import SINGLE, ShardingConfig, World, all_reduce
 from kubestar.training.endpoints import Endpoints
 from kubestar.training.generators import Sampling
@@ -82,7 +82,9 @@ def algorithm_config(spec: AlgorithmSpec) -> AlgorithmConfig:
 
 def load_dataset(spec: DatasetSpec) -> list[Problem]:
     if spec.generator:
-        return reasoning_gym_problems(spec.generator, spec.size, spec.seed)
+        return load_problems(spec.generator, spec.size, spec.seed)
+    if spec.mix:
+        return mixed_problems([(e.generator, e.weight) for e in spec.mix], spec.size, spec.seed)
     assert spec.path is not None
     return file_problems(spec.path, spec.format, limit=spec.size)
 
@@ -470,7 +472,10 @@ class TrainingSession:
                 self._sampling(temperature=0.0),
             )
         )
-        summary = evaluation_summary(trajectories)
+        summary: dict[str, Any] = dict(evaluation_summary(trajectories))
+        families = accuracy_by_family(problems, trajectories)
+        if len(families) > 1:
+            summary["families"] = families
         self.metrics.append(
             {"step": self.status.step, "stage": "evaluation", "point": point, **summary}
         )
@@ -527,6 +532,16 @@ class TrainingSession:
             return
         set_phase(self.status, phase, reason, message)
         self.reporter.report(self.status)
+
+
+def accuracy_by_family(problems: list[Problem], trajectories: list[Trajectory]) -> dict[str, float]:
+    """Mean reward per problem source (the generator, or the mix entry, that made it)."""
+    source = {problem.id: problem.source for problem in problems}
+    rewards: dict[str, list[float]] = {}
+    for trajectory in trajectories:
+        family = source.get(trajectory.problem_id, "")
+        rewards.setdefault(family, []).append(trajectory.reward or 0.0)
+    return {family: sum(values) / len(values) for family, values in sorted(rewards.items())}
 
 
 def evaluation_summary(trajectories: list[Trajectory]) -> dict[str, float]:
