@@ -76,3 +76,30 @@ def wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
             return True
         time.sleep(0.05)
     return predicate()
+
+
+def coin_model(folder: Path, questions: list[str], answers: tuple[str, ...] = ("7", "3")) -> Path:
+    """The tiny random model taught to answer each of `questions` with `\\boxed{a}` for an `a`
+    of `answers`, each about equally often: sampled, a group's rewards are mixed on purpose.
+    Trained here (a few seconds) and written to `folder` as the engines load it."""
+    from kubestar.training.batch import make_batch
+    from kubestar.training.policy import OptimizerConfig, Policy
+    from kubestar.training.tools import IM_END, render_prompt
+
+    from tests.real_parts import tiny_model
+
+    base = tiny_model()
+    tokenizer = ChatTokenizer.from_model(base)
+    policy = Policy(base, OptimizerConfig(learning_rate=3e-3), device="cpu", micro_batch_size=16)
+    prompts = [tokenizer.encode(render_prompt(q, system_prompt())) for q in questions]
+    replies = [tokenizer.encode(f"The answer is \\boxed{{{a}}}.{IM_END}") for a in answers]
+    rows = [(prompt, reply) for prompt in prompts for reply in replies]
+    batch = make_batch(
+        [prompt for prompt, _ in rows],
+        [reply for _, reply in rows],
+        [[1] * len(reply) for _, reply in rows],
+        pad_id=0,
+    )
+    for _ in range(40):
+        policy.sft_step(batch)
+    return policy.save_weights(folder)

@@ -65,12 +65,13 @@ def test_a_mix_shares_the_size_by_weight_with_unique_ids() -> None:
 def test_a_dataset_has_exactly_one_source() -> None:
     from pydantic import ValidationError
 
-    for fields in (
+    sources: tuple[dict[str, Any], ...] = (
         {"generator": "gcd", "mix": [{"generator": "lcm"}]},
         {"mix": [{"generator": "lcm"}], "path": "x.jsonl"},
         {},
         {"mix": []},
-    ):
+    )
+    for fields in sources:
         with pytest.raises(
             ValidationError, match=r"exactly one of generator, mix or path|at least 1"
         ):

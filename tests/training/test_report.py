@@ -191,6 +191,13 @@ def test_accuracy_per_family_when_the_problems_came_from_several(tmp_path: Path)
                 "families": {"gcd": 0.5, "leg_counting:max_animals=4": 0.0},
             },
             {
+                "step": 2,
+                "stage": "evaluation",
+                "point": "step",
+                "eval_accuracy": 0.5,
+                "families": {"gcd": 0.5, "leg_counting:max_animals=4": 0.5},
+            },
+            {
                 "step": 4,
                 "stage": "evaluation",
                 "point": "end",
@@ -200,9 +207,10 @@ def test_accuracy_per_family_when_the_problems_came_from_several(tmp_path: Path)
         ],
     )
     text = write_report(run_dir).read_text()
-    assert "| family | after SFT | after RL |" in text
-    assert "| gcd | 0.500 | 0.750 |" in text
-    assert "| leg_counting:max_animals=4 | 0.000 | 0.250 |" in text
+    assert "| family | after SFT | after step 2 | after RL |" in text
+    assert "| gcd | 0.500 | 0.500 | 0.750 |" in text
+    assert "| leg_counting:max_animals=4 | 0.000 | 0.500 | 0.250 |" in text
+    assert "| after step 2 | 2 | 0.500 |" in text
     # One family: no per-family table.
     metrics_file(run_dir, [{"step": 0, "stage": "evaluation", "point": "end", "eval_accuracy": 1}])
     assert "Accuracy per family" not in write_report(run_dir).read_text()

@@ -12,10 +12,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.real_parts import engine_python, require_modules
+from tests.training.rollout_support import coin_model
 
 pytestmark = pytest.mark.slow
 
@@ -56,10 +58,10 @@ spec:
 
 
 def train_command(
-    tmp_path: Path, steps: int, processes: int = 1
+    tmp_path: Path, steps: int, processes: int = 1, text: str = MANIFEST
 ) -> tuple[list[str], dict[str, str]]:
     manifest = tmp_path / "run.yaml"
-    manifest.write_text(MANIFEST.replace("STEPS", str(steps)).replace("PROCESSES", str(processes)))
+    manifest.write_text(text.replace("STEPS", str(steps)).replace("PROCESSES", str(processes)))
     require_modules("torch", "transformers")
     env = {**os.environ, "KUBESTAR_ENGINE_PYTHON": engine_python()}
     command = [
@@ -75,13 +77,13 @@ def train_command(
     return command, env
 
 
-def metrics(tmp_path: Path) -> list[dict[str, object]]:
+def metrics(tmp_path: Path) -> list[dict[str, Any]]:
     path = tmp_path / "run" / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
     return [json.loads(line) for line in lines if line.strip()]
 
 
-def rl_steps(tmp_path: Path) -> list[dict[str, object]]:
+def rl_steps(tmp_path: Path) -> list[dict[str, Any]]:
     return [m for m in metrics(tmp_path) if m["stage"] == "only"]
 
 
@@ -141,3 +143,41 @@ def test_two_training_processes(tmp_path: Path) -> None:
     assert status["phase"] == "Succeeded" and status["step"] == 2
     assert status["lastCheckpoint"].endswith("step-000002")
     assert (tmp_path / "run" / "logs" / "rank-1.log").exists()
+
+
+def test_mixed_rewards_train_every_step(tmp_path: Path) -> None:
+    """A policy that answers 7 or 3 at random, on problems whose answer is 7: every group has
+    both rewards, so every step trains tokens, and the trained weights are what moves."""
+    import torch
+    from safetensors.torch import load_file
+
+    questions = ["What is 3 + 4?", "What is 10 - 3?"]
+    model = coin_model(tmp_path / "coin", questions)
+    problems = tmp_path / "sevens.jsonl"
+    problems.write_text(
+        "".join(json.dumps({"question": q, "answer": "7"}) + "\n" for q in questions)
+    )
+    text = (
+        MANIFEST.replace("name: tiny-random-llama", f"name: {model}")
+        .replace("groupSize: 2", "groupSize: 4")
+        .replace("generator: basic_arithmetic, size: 20, seed: 3", f"path: {problems}, size: 2")
+        .replace("at: [start, end]", "at: [start, end]\n    everySteps: 1")
+    )
+    command, env = train_command(tmp_path, steps=2, text=text)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = rl_steps(tmp_path)
+    assert [m["step"] for m in steps] == [1, 2]
+    for step in steps:
+        assert 0 < step["reward"] < 1  # mixed: some 7s, some 3s
+        assert step["trained_tokens"] > 0 and "skipped_update" not in step
+        assert step["train_grad_norm"] > 0
+    # evaluation.everySteps 1: after step 1; step 2's is the end evaluation.
+    evaluations = [(m["point"], m["step"]) for m in metrics(tmp_path) if m["stage"] == "evaluation"]
+    assert evaluations == [("start", 0), ("step", 1), ("end", 2)]
+    assert (tmp_path / "run" / "evaluation-step-000001.json").exists()
+    trained = load_file(
+        tmp_path / "run" / "checkpoints" / "step-000002" / "weights" / "model.safetensors"
+    )
+    start = load_file(model / "model.safetensors")
+    assert any(not torch.equal(trained[name], start[name]) for name in start)

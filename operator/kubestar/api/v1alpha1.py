@@ -700,6 +700,12 @@ class EvaluationSpec(Spec):
         description="When to evaluate: start (the policy before any training, as verl's "
         "val_before_train), sft (right after the SFT stage), end (after the last RL step).",
     )
+    every_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Also evaluate after every this many RL steps (verl's test_freq), to "
+        "see whether the policy drifts during training. Unset: only at the points of at.",
+    )
 
 
 class ResilienceSpec(Spec):

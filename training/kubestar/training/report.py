@@ -256,7 +256,7 @@ def write_report(run_dir: Path) -> Path:
             ["when", "after step", *(title for _, title, _ in EVALUATION_KEYS)],
             [
                 [
-                    EVALUATION_POINTS.get(str(entry.get("point", "end")), "-"),
+                    _point(entry),
                     _cell(entry.get("step"), "d"),
                     *(_cell(entry.get(key), fmt) for key, _, fmt in EVALUATION_KEYS),
                 ]
@@ -284,12 +284,20 @@ def write_report(run_dir: Path) -> Path:
     return path
 
 
+def _point(entry: dict[str, Any]) -> str:
+    """When an evaluation ran, as the report says it."""
+    point = str(entry.get("point", "end"))
+    if point == "step":
+        return f"after step {_cell(entry.get('step'), 'd')}"
+    return EVALUATION_POINTS.get(point, "-")
+
+
 def _family_table(evaluations: Sequence[dict[str, Any]]) -> list[str]:
     """Accuracy per problem family at each evaluation, when the problems came from several."""
     families = sorted({family for entry in evaluations for family in entry.get("families") or {}})
     if not families:
         return []
-    points = [EVALUATION_POINTS.get(str(entry.get("point", "end")), "-") for entry in evaluations]
+    points = [_point(entry) for entry in evaluations]
     rows = [
         [
             family,

@@ -302,6 +302,9 @@ class TrainingSession:
                         oldest_weights_version=float(min(versions, default=0)),
                     )
                     self._record_step(stage, state, metrics)
+                if self._periodic_evaluation(state.global_step):
+                    # Before the checkpoint: a resume from the previous one evaluates again.
+                    self._evaluate(worker, "step")
                 # Asked to stop (any rank's SIGTERM): this step is checkpointed, then no more.
                 stopping = all_reduce(float(self.stop.requested), self.world, policy.device) > 0
                 if (
@@ -317,6 +320,14 @@ class TrainingSession:
         self._set_phase(Phase.SUCCEEDED, Reason.COMPLETED, f"{self.status.total_steps} steps done")
 
     # -- pieces ----------------------------------------------------------------------------
+    def _periodic_evaluation(self, global_step: int) -> bool:
+        """Whether evaluation.everySteps asks for one after this step (the last step's is
+        the end evaluation, when that is asked for)."""
+        every = self.spec.evaluation.every_steps
+        if every is None or global_step % every:
+            return False
+        return not (global_step == self.status.total_steps and "end" in self.spec.evaluation.at)
+
     def _algorithm(self) -> AlgorithmConfig:
         return algorithm_config(self.spec.algorithm)
 
@@ -479,7 +490,8 @@ class TrainingSession:
         self.metrics.append(
             {"step": self.status.step, "stage": "evaluation", "point": point, **summary}
         )
-        (self.run_dir / f"evaluation-{point}.json").write_text(
+        name = f"step-{self.status.step:06d}" if point == "step" else point
+        (self.run_dir / f"evaluation-{name}.json").write_text(
             json.dumps(
                 {
                     "summary": summary,
