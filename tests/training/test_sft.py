@@ -82,34 +82,51 @@ def test_masked_tokens_are_exactly_the_assistant_turns(
         assert tokenizer.decode(example.prompt_ids) == example.prompt_text
         assert len(example.response_ids) == len(example.response_mask)
 
-        model_runs = [r for r in runs(example.response_mask) if r[0] == 1]
-        tool_runs = [r for r in runs(example.response_mask) if r[0] == 0]
-        decoded_model = [tokenizer.decode(example.response_ids[s:e]) for _, s, e in model_runs]
-        decoded_tool = [tokenizer.decode(example.response_ids[s:e]) for _, s, e in tool_runs]
-        # One model turn per tool call, plus the final answer; they alternate with tool turns.
+        # The response alternates: turn 0, tool turn 0, turn 1, ..., the final turn. Tool
+        # turns are exactly what the agent loop inserts after `</tool_call>`.
         calls = len(example.tool_codes)
-        assert decoded_model == example.assistant_turns
-        assert len(decoded_model) == calls + 1 and len(decoded_tool) == calls
-        assert example.response_mask[0] == 1 and example.response_mask[-1] == 1
+        assert len(example.assistant_turns) == calls + 1
+        tool_turns = [
+            render_tool_turn([response], model_closed_turn=False)
+            for response in example.tool_responses
+        ]
+        bug_turns = {turn for turn, status in enumerate(example.tool_statuses) if status == "error"}
+        pieces = [
+            (piece, index % 2 == 0 and index // 2 not in bug_turns)
+            for index, piece in enumerate(
+                part
+                for pair in zip(example.assistant_turns, [*tool_turns, ""], strict=True)
+                for part in pair
+                if part
+            )
+        ]
+        # Trained (mask 1): the assistant's turns, except one that sent a planted bug.
+        expected: list[tuple[bool, str]] = []
+        for piece, trained in pieces:
+            if expected and expected[-1][0] == trained:
+                expected[-1] = (trained, expected[-1][1] + piece)
+            else:
+                expected.append((trained, piece))
+        decoded = [
+            (value == 1, tokenizer.decode(example.response_ids[s:e]))
+            for value, s, e in runs(example.response_mask)
+        ]
+        assert decoded == expected
+        assert example.response_mask[-1] == 1
+        assert (example.response_mask[0] == 1) == (not example.fixes_error)
 
-        for turn, code in zip(decoded_model, example.tool_codes, strict=False):
+        for turn, code in zip(example.assistant_turns, example.tool_codes, strict=False):
             # A call turn: one sentence, then exactly one well-formed call, ending the turn.
             assert turn.endswith(format_tool_call(code))
             parsed = parse_tool_calls(turn)
             assert len(parsed) == 1 and parsed[0].runnable and parsed[0].code == code
-        assert decoded_model[0].split("\n")[0] in INTROS
-        final = decoded_model[-1]
+        assert example.assistant_turns[0].split("\n")[0] in INTROS
+        final = example.assistant_turns[-1]
         assert final.endswith(IM_END) and "<tool_call>" not in final
         assert last_boxed(final) == example.answer
 
-        # Tool turns (mask 0) are exactly what the agent loop inserts after `</tool_call>`.
-        for text, response in zip(decoded_tool, example.tool_responses, strict=True):
-            assert text == render_tool_turn([response], model_closed_turn=False)
-
         # Mask 0 + mask 1 tile the whole sequence: nothing else was trained or hidden.
-        rebuilt = example.prompt_text + "".join(
-            part for pair in zip(decoded_model, [*decoded_tool, ""], strict=True) for part in pair
-        )
+        rebuilt = example.prompt_text + "".join(piece for piece, _ in pieces)
         assert tokenizer.decode(example.prompt_ids + example.response_ids) == rebuilt
 
 

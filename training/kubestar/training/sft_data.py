@@ -18,7 +18,8 @@ small warm-up set itself (`build_sft_examples`); `kubestar.training.sft` trains 
   scripted "model" and the real sandbox via `SandboxClient`), so prompts, tool turns and
   token ownership are exactly those of RL trajectories: the assistant's text (up to
   `</tool_call>`, and the final turn with its `<|im_end|>`) has loss mask 1; system, user
-  and tool tokens (including the `<|im_end|>` the loop adds after `</tool_call>`) have 0.
+  and tool tokens (including the `<|im_end|>` the loop adds after `</tool_call>`) have 0,
+  and so does the turn that sends a planted bug (the model reads it, is never taught it).
 
 An example is kept only when the loop ended with an answer, every call had the intended
 status (`error` for a planted bug, then `ok`), the printed value agrees with the reference
@@ -547,6 +548,13 @@ def _example(plan: Plan, trajectory: Trajectory, max_tokens: int) -> tuple[SftEx
         return None, f"wrong output: {output!r} is not the answer {plan.problem.answer!r}"
     if len(trajectory.prompt_ids) + len(trajectory.response_ids) > max_tokens:
         return None, f"too long: more than {max_tokens} tokens"
+    # A planted bug is context, not a lesson: the turn that sends it is not trained on, so
+    # SFT teaches reading the error and sending fixed code, never writing the bug.
+    mask = list(trajectory.response_mask)
+    turns = [segment for segment in trajectory.segments if segment.owner == MODEL]
+    for segment, attempt in zip(turns, plan.attempts, strict=False):
+        if attempt.fails:
+            mask[segment.start : segment.end] = [0] * (segment.end - segment.start)
     return (
         SftExample(
             id=plan.problem.id,
@@ -555,7 +563,7 @@ def _example(plan: Plan, trajectory: Trajectory, max_tokens: int) -> tuple[SftEx
             answer=plan.problem.answer,
             prompt_ids=list(trajectory.prompt_ids),
             response_ids=list(trajectory.response_ids),
-            response_mask=list(trajectory.response_mask),
+            response_mask=mask,
             prompt_text=trajectory.prompt_text,
             assistant_turns=[s.text for s in trajectory.segments if s.owner == MODEL],
             tool_codes=[call.code for call in trajectory.tool_calls],
