@@ -24,10 +24,12 @@ direction at most. Everything goes to RUN_DIR (default runs/learning), the summa
 from __future__ import annotations
 
 import argparse
+import asyncio
 import copy
 import json
 import logging
 import os
+import random
 import shutil
 import sys
 import time
@@ -37,7 +39,9 @@ from typing import Any
 import yaml
 from kubestar.api.v1alpha1 import RolloutFleet, SandboxPool, TrainingRun, parse_resource
 from kubestar.engine.models import resolve_model
+from kubestar.training.datasets import Problem, load_problems
 from kubestar.training.endpoints import Endpoints
+from kubestar.training.evaluation import run_rollouts
 from kubestar.training.local import LocalStack
 from kubestar.training.progress import FileReporter
 from kubestar.training.report import read_metrics, write_report
@@ -191,6 +195,143 @@ def print_summary(results: dict[str, dict[str, Any]]) -> None:
         )
 
 
+# -- where RL has room: the SFT'd policy, family by family ------------------------------------
+# Held-out problems take seeds far from those of training stages (0, 1, 2, ...), evaluations
+# (1000) and SFT (sft_data.SEED_OFFSET).
+HELDOUT_SEED = 424_000
+
+
+def heldout_problems(families: list[str], per_family: int) -> list[Problem]:
+    """`per_family` problems of each `name[:config]` in `families`, seeded apart from
+    training's."""
+    problems: list[Problem] = []
+    for index, family in enumerate(families):
+        problems += load_problems(family, per_family, seed=HELDOUT_SEED + index)
+    return problems
+
+
+def rollouts(
+    endpoints: Endpoints,
+    problems: list[Problem],
+    samples: int,
+    temperature: float,
+    model_dir: Path,
+    max_response_tokens: int,
+    max_turns: int,
+) -> list[dict[str, Any]]:
+    """`samples` agent-loop trajectories per problem through the scheduler, scored."""
+    _, trajectories = asyncio.run(
+        run_rollouts(
+            engine_url=None,
+            scheduler=endpoints.scheduler,
+            sandbox=endpoints.sandbox,
+            problems=problems,
+            samples=samples,
+            max_turns=max_turns,
+            max_response_tokens=max_response_tokens,
+            max_context=2048,
+            model=str(model_dir),
+            temperature=temperature,
+            top_p=1.0,
+            top_k=0,
+            sampling_seed=0,
+            tool_timeout=5.0,
+            concurrency=32,
+            sandbox_mode="batch",
+            request_timeout=600.0,
+            verify_workers=2,
+            progress=True,
+        )
+    )
+    return trajectories
+
+
+def solved(trajectories: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Each problem's rewards, by problem id."""
+    by_problem: dict[str, list[float]] = {}
+    for trajectory in trajectories:
+        by_problem.setdefault(trajectory["problem_id"], []).append(
+            float(trajectory.get("reward") or 0.0)
+        )
+    return by_problem
+
+
+def bootstrap_interval(
+    values: list[float], rounds: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """95% percentile bootstrap interval of the mean of `values` (resampled over problems)."""
+    if not values:
+        return float("nan"), float("nan")
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choice(values) for _ in values) / len(values) for _ in range(rounds))
+    return means[int(0.025 * rounds)], means[int(0.975 * rounds) - 1]
+
+
+def probe(args: argparse.Namespace) -> None:
+    """SFT (or the given weights), then greedy accuracy and pass@k per family."""
+    pool, fleet, run = manifests(args)
+    families = args.probe.split(";")
+    weights = args.weights
+    if weights is None:
+        weights = sft_weights(args, pool, fleet, run)
+    problems = heldout_problems(families, args.per_family)
+    config = (args.run_dir / "logs", 384, run["spec"]["algorithm"]["maxTurns"])
+    with LocalStack.for_run(pool, fleet, weights, config[0]).running() as endpoints:
+        greedy = rollouts(endpoints, problems, 1, 0.0, weights, config[1], config[2])
+        sampled = rollouts(endpoints, problems, args.k, 1.0, weights, config[1], config[2])
+    for name, trajectories in (("greedy", greedy), ("sampled", sampled)):
+        with (args.run_dir / f"probe-{name}.jsonl").open("w") as handle:
+            for trajectory in trajectories:
+                handle.write(json.dumps(trajectory, default=str) + "\n")
+    greedy_by, sampled_by = solved(greedy), solved(sampled)
+    print(f"\n| family | problems | greedy accuracy (95% CI) | sampled accuracy | pass@{args.k} |")
+    print("|---|---|---|---|---|")
+    for index, family in enumerate(families):
+        ids = [problem.id for problem in problems[index * args.per_family :][: args.per_family]]
+        first = [greedy_by.get(i, [0.0])[0] for i in ids]
+        mean_sampled = [sum(sampled_by.get(i, [0.0])) / args.k for i in ids]
+        any_solved = [float(max(sampled_by.get(i, [0.0])) > 0) for i in ids]
+        low, high = bootstrap_interval(first)
+        print(
+            f"| {family} | {len(ids)} | {sum(first) / len(ids):.2f} ({low:.2f}-{high:.2f}) | "
+            f"{sum(mean_sampled) / len(ids):.2f} | {sum(any_solved) / len(ids):.2f} |"
+        )
+
+
+def sft_weights(
+    args: argparse.Namespace, pool: SandboxPool, fleet: RolloutFleet, run: dict[str, Any]
+) -> Path:
+    """The SFT'd policy's weights folder (made once, under RUN_DIR/sft-weights)."""
+    from kubestar.api.v1alpha1 import SftSpec
+    from kubestar.training.policy import OptimizerConfig, Policy
+    from kubestar.training.sft import run_sft
+
+    folder: Path = args.run_dir / "sft-weights"
+    if (folder / "config.json").exists():
+        return folder
+    model_dir = resolve_model(run["spec"]["model"]["name"])
+    spec = SftSpec.model_validate(run["spec"]["sft"])
+    stack = LocalStack(
+        args.run_dir / "logs",
+        sandbox=LocalStack.for_run(pool, fleet, model_dir, args.run_dir / "logs").sandbox,
+    )
+    policy = Policy(model_dir, OptimizerConfig(learning_rate=spec.learning_rate))
+    started = time.monotonic()
+    with stack.running() as endpoints:
+        metrics = run_sft(policy, model_dir, spec, endpoints.sandbox, progress=sft_progress)
+    policy.save_weights(folder)
+    print(
+        f"  SFT: loss {metrics['initial_loss']:.3f} -> {metrics['loss']:.3f} in "
+        f"{time.monotonic() - started:.0f} s -> {folder}",
+        file=sys.stderr,
+    )
+    return folder
+
+
+def sft_progress(stage: str, step: int, total: int, metrics: dict[str, float]) -> None:
+    print(f"  [sft] {step}/{total} loss {metrics['loss']:.3f}", file=sys.stderr, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
@@ -206,10 +347,22 @@ def main() -> None:
     parser.add_argument(
         "--resume", action="store_true", help="continue the arms from their last checkpoints"
     )
+    parser.add_argument(
+        "--probe",
+        default=None,
+        help="families (name[:config], separated by ;) to measure the SFT'd policy on, "
+        "greedy and pass@k, instead of training",
+    )
+    parser.add_argument("--per-family", type=int, default=32)
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--weights", type=Path, default=None, help="probe these weights")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+    if args.probe:
+        probe(args)
+        return
     pool, fleet, run = manifests(args)
     arms = args.arms.split(",")
     if arms[0] != "grpo-roc":
