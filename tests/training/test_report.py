@@ -59,7 +59,7 @@ def session_like_entries() -> list[dict[str, Any]]:
                 "positive_tool_error_rate": 0.3 - 0.03 * step,
                 "mean_response_tokens": 300.0 - 10 * step,
                 "kept_response_tokens": 250.0 - 8 * step,
-                "clip_fraction": 0.01 * step,
+                "train_clip_fraction": 0.01 * step,  # as GrpoTrainer.update logs it
                 "tokens_per_second": 150.0 + step,
                 "step_seconds": 60.0 + step,
                 "tool_calls_per_trajectory": 1.25,

@@ -107,3 +107,8 @@ def test_updates_per_step_take_that_many_steps_and_the_clip_bites(model_dir: Pat
     ).update(groups(4))
     assert one["optimizer_steps"] == 1
     assert one["train_clip_fraction"] == 0  # one mini-batch: on-policy, ratio 1
+    # The report's per-step columns of the update are keys the trainer logs.
+    from kubestar.training.report import PLOTS, STEP_COLUMNS
+
+    shown = {key for key, _, _ in STEP_COLUMNS} | {k for *_, series in PLOTS for k, _ in series}
+    assert {key for key in shown if key.startswith("train_")} <= metrics.keys()

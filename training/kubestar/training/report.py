@@ -31,7 +31,7 @@ STEP_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("tool_error_rate", "tool err", ".3f"),
     ("positive_tool_error_rate", "tool err (kept +)", ".3f"),
     ("mean_response_tokens", "resp tokens", ".0f"),
-    ("clip_fraction", "clip frac", ".3f"),
+    ("train_clip_fraction", "clip frac", ".3f"),
     ("answered_rate", "answered", ".2f"),
     ("tokens_per_second", "tokens/s", ".1f"),
     ("step_seconds", "step s", ".1f"),
@@ -90,7 +90,7 @@ PLOTS: tuple[tuple[str, str, str, tuple[tuple[str, str], ...]], ...] = (
         "clip_fraction.png",
         "Clipped tokens (the update's ratio outside [1 - clipLow, 1 + clipHigh])",
         "fraction of tokens",
-        (("clip_fraction", "clip fraction"),),
+        (("train_clip_fraction", "clip fraction"),),
     ),
 )
 
