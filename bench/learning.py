@@ -20,7 +20,7 @@ last third of the steps) with GRPO-RoC / GRPO ratios. Everything goes to RUN_DIR
 runs/learning), the summary also to --json.
 
     .venv/bin/python bench/learning.py            # about 2 h on 2 CPU cores
-    .venv/bin/python bench/learning.py --quick    # a smoke run of every part, ~15 min
+    .venv/bin/python bench/learning.py --quick    # a smoke run of every part, ~10 min
 
 `--probe "FAMILY;FAMILY..."` trains nothing beyond SFT (or takes `--weights`): it prints the
 SFT'd policy's greedy accuracy (95% bootstrap interval), sampled accuracy and pass@k on
