@@ -49,6 +49,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.sandbox_bench import (  # noqa: E402
     WORKLOADS,
+    CpuMeter,
     MiB,
     Sampler,
     Service,
@@ -293,13 +294,10 @@ async def drive(send: Send, concurrency: int, seconds: float, warmup: float) -> 
     return Window(samples, warm_until, max(stop_at, all_measured_at))
 
 
-class CallCpuMeter:
+class CallCpuMeter(CpuMeter):
     """CPU of the server's own processes, of the calls it ran (alive at either end, or reaped
     by the server or by its long-lived executors: SandboxFusion's calls are children of its
     server, kubestar's of its executors), of this client, and of everything else."""
-
-    def __init__(self, server_pids: list[int]) -> None:
-        self.server_pids = server_pids
 
     def _now(self) -> tuple[float, float, float, float]:
         own = sum(cpu_seconds(pid, with_children=False) for pid in self.server_pids)
@@ -312,20 +310,6 @@ class CallCpuMeter:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         client = usage.ru_utime + usage.ru_stime
         return own, reaped + descendants, client, machine_busy_seconds()
-
-    def __enter__(self) -> CallCpuMeter:
-        self.start = self._now()
-        self.started = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        end = self._now()
-        elapsed = time.perf_counter() - self.started
-        server, calls, client, busy = (
-            100.0 * (b - a) / elapsed for a, b in zip(self.start, end, strict=True)
-        )
-        self.percent = (server, calls, client, max(0.0, busy - server - calls - client))
-        self.seconds = sum(b - a for a, b in zip(self.start[:3], end[:3], strict=True))
 
 
 @dataclass
