@@ -427,7 +427,10 @@ def sft_progress(stage: str, step: int, total: int, metrics: dict[str, float]) -
 # -- the command --------------------------------------------------------------------------------
 # The families RL trains and is judged on: where the SFT'd policy is neither hopeless nor
 # done (bench/RESULTS.md, the probe's table).
-CURRICULUM = "basic_arithmetic:min_terms=4,max_terms=6;decimal_arithmetic:max_terms=3;number_format"
+CURRICULUM = (
+    "decimal_arithmetic:max_terms=3;number_format;prime_factorization;"
+    "basic_arithmetic:min_terms=4,max_terms=6"
+)
 QUICK = {
     "steps": 2,
     "problems_per_step": 2,
