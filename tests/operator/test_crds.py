@@ -85,7 +85,13 @@ def test_defaults_validation_and_rules() -> None:
     assert stages["x-kubernetes-list-type"] == "map"
     assert stages["x-kubernetes-list-map-keys"] == ["name"]
     dataset = stages["items"]["properties"]["dataset"]
-    assert dataset["oneOf"] == [{"required": ["generator"]}, {"required": ["path"]}]
+    assert dataset["oneOf"] == [
+        {"required": ["generator"]},
+        {"required": ["mix"]},
+        {"required": ["path"]},
+    ]
+    assert dataset["properties"]["mix"]["minItems"] == 1
+    assert dataset["properties"]["mix"]["items"]["required"] == ["generator"]
     algorithm = run["properties"]["spec"]["properties"]["algorithm"]["properties"]
     assert algorithm["name"]["enum"] == ["grpo-roc", "grpo"]
     assert algorithm["clipHigh"]["default"] == 0.28
