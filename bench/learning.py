@@ -239,6 +239,7 @@ def solved(trajectories: list[dict[str, Any]]) -> dict[str, list[float]]:
 
 
 def judge(
+    name: str,
     weights: Path,
     problems: list[Problem],
     k: int,
@@ -248,13 +249,12 @@ def judge(
     max_turns: int,
 ) -> dict[str, list[float]]:
     """Per problem (in `problems` order): greedy reward (pass@1), and with k > 1 the mean
-    sampled reward and pass@k; trajectories kept under RUN_DIR/judged/."""
+    sampled reward and pass@k; trajectories kept under RUN_DIR/judged/NAME-*.jsonl."""
     folder = args.run_dir / "judged"
     folder.mkdir(parents=True, exist_ok=True)
     with LocalStack.for_run(pool, fleet, weights, args.run_dir / "logs").running() as endpoints:
         greedy = rollouts(endpoints, problems, 1, 0.0, weights, max_turns)
         sampled = rollouts(endpoints, problems, k, 1.0, weights, max_turns) if k > 1 else []
-    name = weights.parent.name if weights.name == "weights" else weights.name
     for kind, trajectories in (("greedy", greedy), ("sampled", sampled)):
         with (folder / f"{name}-{kind}.jsonl").open("w") as handle:
             for trajectory in trajectories:
@@ -377,7 +377,7 @@ def probe(args: argparse.Namespace) -> None:
     weights = args.weights or sft_weights(args, pool, fleet, run)
     problems = heldout_problems(families, args.per_family)
     max_turns = run["spec"]["algorithm"]["maxTurns"]
-    scores = judge(weights, problems, args.k, args, pool, fleet, max_turns)
+    scores = judge("probe", weights, problems, args.k, args, pool, fleet, max_turns)
     print(f"\n| family | problems | greedy accuracy (95% CI) | sampled accuracy | pass@{args.k} |")
     print("|---|---|---|---|---|")
     for index, family in enumerate(families):
@@ -500,7 +500,7 @@ def main() -> None:
     )
     max_turns = run["spec"]["algorithm"]["maxTurns"]
     scores = {
-        name: judge(weights, heldout, args.k, args, pool, fleet, max_turns)
+        name: judge(name, weights, heldout, args.k, args, pool, fleet, max_turns)
         for name, weights in policies.items()
     }
     summary = print_judgement(scores, heldout, args.k)
