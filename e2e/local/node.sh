@@ -212,13 +212,15 @@ oomScoreAdj: 0
 protectKernelDefaults: false
 makeIPTablesUtilChains: false
 serializeImagePulls: false
-# Relaxed for a small VM with a shared disk: evict only when nearly nothing is left, and
-# never garbage-collect images (re-importing the kubestar image takes minutes).
+# Relaxed for a VM whose disk is shared with other machines (free space there moves with
+# their use): evict only when nearly nothing is left, in absolute terms (1% of a large
+# shared disk is gigabytes), and never garbage-collect images (re-importing the kubestar
+# image takes minutes).
 evictionHard:
   memory.available: 100Mi
-  nodefs.available: 1%
+  nodefs.available: 512Mi
   nodefs.inodesFree: 1%
-  imagefs.available: 1%
+  imagefs.available: 512Mi
 evictionPressureTransitionPeriod: 30s
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
