@@ -16,8 +16,9 @@ with a 95% bootstrap interval over problems, and the difference to SFT with a pa
 bootstrap interval (the same resampled problems for both policies). RL beats SFT when that
 interval lies above 0. Also printed: accuracy per family, and the paper's ablation over the
 RL steps (tool-error rate of positive rollouts, response length, rollout accuracy; first and
-last third of the steps) with GRPO-RoC / GRPO ratios. Everything goes to RUN_DIR (default
-runs/learning), the summary also to --json.
+last third of the steps) with GRPO-RoC / GRPO ratios, plotted per step in RUN_DIR/ablation/
+(comparison.md and PNGs, as `kubestar report RUN_DIR/grpo-roc RUN_DIR/grpo` writes them).
+Everything goes to RUN_DIR (default runs/learning), the summary also to --json.
 
     .venv/bin/python bench/learning.py            # about 2 h on 2 CPU cores
     .venv/bin/python bench/learning.py --quick    # a smoke run of every part, ~10 min
@@ -35,6 +36,7 @@ import asyncio
 import copy
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -58,7 +60,7 @@ from kubestar.training.endpoints import Endpoints
 from kubestar.training.evaluation import run_rollouts
 from kubestar.training.local import LocalStack
 from kubestar.training.progress import FileReporter
-from kubestar.training.report import read_metrics, write_report
+from kubestar.training.report import read_metrics, trend, write_comparison, write_report
 from kubestar.training.session import TrainingSession, load_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,15 +140,6 @@ def run_arm(
     return read_metrics(run_dir / "metrics.jsonl")
 
 
-def thirds(steps: list[dict[str, Any]], key: str) -> tuple[float, float]:
-    """Mean of `key` over the first and the last third of the steps."""
-    values = [float(s[key]) for s in steps if isinstance(s.get(key), int | float)]
-    if not values:
-        return float("nan"), float("nan")
-    third = max(1, len(values) // 3)
-    return sum(values[:third]) / third, sum(values[-third:]) / third
-
-
 ABLATION_KEYS = (
     ("rollout_positive_tool_error_rate", "tool err in positive rollouts", ".3f"),
     ("mean_response_tokens", "resp tokens", ".0f"),
@@ -159,8 +152,11 @@ def ablation(entries: list[dict[str, Any]]) -> dict[str, Any]:
     steps = [e for e in entries if e.get("stage") == "rl"]
     summary: dict[str, Any] = {"steps": len(steps)}
     for key, _, _ in ABLATION_KEYS:
-        first, last = thirds(steps, key)
-        summary[key] = {"first_third": first, "last_third": last}
+        first, last = trend(steps, key)
+        summary[key] = {
+            "first_third": math.nan if first is None else first,
+            "last_third": math.nan if last is None else last,
+        }
     summary["step_seconds"] = sum(float(s.get("step_seconds", 0)) for s in steps) / max(
         len(steps), 1
     )
@@ -189,6 +185,11 @@ def train_arms(
             ablations[arm] = ablation(run_arm(arm, arm_run, endpoints, arm_dir, model_dir))
             last = sorted((arm_dir / "checkpoints").glob("step-*"))[-1]
             policies[arm] = last / "weights"
+    if len(arms) > 1:
+        comparison = write_comparison(
+            {arm: args.run_dir / arm for arm in arms}, args.run_dir / "ablation"
+        )
+        print(f"  ablation plots: {comparison}", file=sys.stderr)
     return policies, ablations
 
 

@@ -214,3 +214,69 @@ def test_accuracy_per_family_when_the_problems_came_from_several(tmp_path: Path)
     # One family: no per-family table.
     metrics_file(run_dir, [{"step": 0, "stage": "evaluation", "point": "end", "eval_accuracy": 1}])
     assert "Accuracy per family" not in write_report(run_dir).read_text()
+
+
+def ablation_arm(positive_errors: list[float], tokens: list[float]) -> list[dict[str, Any]]:
+    """An arm's metrics: RL steps with the given positive-rollout tool-error rates and
+    response lengths, and a held-out evaluation at the end."""
+    entries: list[dict[str, Any]] = [
+        {
+            "step": step,
+            "stage": "rl",
+            "accuracy": 0.5,
+            "reward": 0.5,
+            "rollout_positive_tool_error_rate": error,
+            "mean_response_tokens": length,
+        }
+        for step, (error, length) in enumerate(zip(positive_errors, tokens, strict=True), 1)
+    ]
+    entries.append(
+        {"step": len(entries), "stage": "evaluation", "point": "end", "eval_accuracy": 0.4}
+    )
+    return entries
+
+
+def test_comparison_of_two_arms_tabulates_thirds_and_plots_a_line_per_run(tmp_path: Path) -> None:
+    require_modules("matplotlib")
+    from kubestar.training.report import COMPARED, write_comparison
+    from matplotlib.image import imread
+
+    metrics_file(tmp_path / "grpo-roc", ablation_arm([0.3, 0.3, 0.2, 0.2, 0.1, 0.1], [300] * 6))
+    metrics_file(tmp_path / "grpo", ablation_arm([0.3] * 6, [300, 300, 320, 320, 400, 400]))
+    path = write_comparison(
+        {"grpo-roc": tmp_path / "grpo-roc", "grpo": tmp_path / "grpo"}, tmp_path / "ablation"
+    )
+    text = path.read_text()
+    # First third (steps 1-2) -> last third (steps 5-6), per run.
+    assert "| grpo-roc | 6 | 0.500 -> 0.500 | 0.300 -> 0.100 | 300 -> 300 |" in text
+    assert "| grpo | 6 | 0.500 -> 0.500 | 0.300 -> 0.300 | 300 -> 400 |" in text
+    assert "| grpo-roc | after RL | 6 | 0.400 |" in text
+    for key, *_ in COMPARED:
+        assert f"(compare_{key}.png)" in text
+    pixels = imread(tmp_path / "ablation" / "compare_rollout_positive_tool_error_rate.png")
+    red, green, blue = pixels[..., 0], pixels[..., 1], pixels[..., 2]
+    assert ((blue > 0.6) & (red < 0.25)).sum() > 200  # the first run's line
+    assert ((red > 0.9) & (green > 0.4) & (green < 0.6) & (blue < 0.2)).sum() > 200  # the second's
+
+
+def test_report_command_compares_runs_and_names_a_folder_without_metrics(tmp_path: Path) -> None:
+    require_modules("matplotlib")
+    from click.testing import CliRunner
+    from kubestar.cli.main import cli
+
+    metrics_file(tmp_path / "a", ablation_arm([0.2] * 3, [100] * 3))
+    metrics_file(tmp_path / "b", ablation_arm([0.1] * 3, [90] * 3))
+    result = CliRunner().invoke(
+        cli, ["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "c")]
+    )
+    assert result.exit_code == 0, result.output
+    assert "| a | 3 |" in (tmp_path / "c" / "comparison.md").read_text()
+
+    result = CliRunner().invoke(cli, ["report", str(tmp_path / "a")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "a" / "report" / "report.md").is_file()
+
+    (tmp_path / "empty").mkdir()
+    result = CliRunner().invoke(cli, ["report", str(tmp_path / "empty")])
+    assert result.exit_code == 2
+    assert "empty has no metrics.jsonl" in result.output

@@ -10,6 +10,7 @@ from kubestar.cli.engine import engine, model
 from kubestar.cli.errors import DEBUG_ENV, debug_requested, describe
 from kubestar.cli.eval import evaluate
 from kubestar.cli.operator import operator
+from kubestar.cli.report import report
 from kubestar.cli.rollout import rollout
 from kubestar.cli.sandbox import sandbox
 from kubestar.cli.scheduler import scheduler
@@ -33,6 +34,7 @@ cli.add_command(model)
 cli.add_command(operator)
 cli.add_command(train)
 cli.add_command(evaluate)
+cli.add_command(report)
 
 
 def main() -> None:

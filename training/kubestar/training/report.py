@@ -1,6 +1,6 @@
 """The report of a run: `run_dir/report/report.md` (per-step table, SFT and evaluation
 summaries) and PNG plots of reward, accuracy, tool-error rates, response length and the
-update's clip fraction per step.
+update's clip fraction per step; and the comparison of several runs (`write_comparison`).
 
 It reads `run_dir/metrics.jsonl` (one JSON object per line, see TrainingSession): RL steps
 carry `step`, `stage` and the step's metrics; an entry with stage `sft` holds the SFT stage's
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +148,31 @@ def _summary(entry: dict[str, Any], keys: Sequence[tuple[str, str, str]]) -> lis
     return _table(["metric", "value"], rows)
 
 
+# (key, title, y label, format) that a comparison of runs shows per step: the paper's
+# ablation of GRPO-RoC against GRPO.
+COMPARED: tuple[tuple[str, str, str, str], ...] = (
+    ("accuracy", "Rollout accuracy", "accuracy", ".3f"),
+    (
+        "rollout_positive_tool_error_rate",
+        "Tool-call error rate of positive rollouts",
+        "error rate",
+        ".3f",
+    ),
+    ("mean_response_tokens", "Response length (all rollouts)", "tokens", ".0f"),
+    ("reward", "Reward (all rollouts)", "reward", ".3f"),
+)
+
+
+def _points(steps: Sequence[dict[str, Any]], key: str) -> list[tuple[float, float]]:
+    """(step, value) of `key` over the steps that have both."""
+    return [
+        (step, value)
+        for entry in steps
+        if (value := _number(entry.get(key))) is not None
+        and (step := _number(entry.get("step"))) is not None
+    ]
+
+
 def _plot(
     steps: Sequence[dict[str, Any]],
     title: str,
@@ -155,38 +180,41 @@ def _plot(
     series: Sequence[tuple[str, str]],
     path: Path,
 ) -> bool:
-    """One line plot of metrics per step; False when no series has a value."""
+    """One line plot of metrics per step, stage boundaries marked; False when no series has
+    a value."""
+    lines = [(label, _points(steps, key)) for key, label in series]
+    return _line_plot(lines, title, ylabel, path, stages=steps)
+
+
+def _line_plot(
+    lines: Sequence[tuple[str, Sequence[tuple[float, float]]]],
+    title: str,
+    ylabel: str,
+    path: Path,
+    stages: Sequence[dict[str, Any]] = (),
+) -> bool:
+    """Labelled (step, value) lines in one PNG, with a dotted line where the stage of
+    `stages` (entries with step and stage) changes; False when no line has a point."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    drawn = False
-    lowest = math.inf
+    drawn = [(label, points) for label, points in lines if points]
+    if not drawn:
+        return False
     figure, axes = plt.subplots(figsize=(7, 4), dpi=100)
     try:
-        for key, label in series:
-            points = [
-                (float(entry["step"]), value)
-                for entry in steps
-                if (value := _number(entry.get(key))) is not None
-                and _number(entry.get("step")) is not None
-            ]
-            if not points:
-                continue
+        for label, points in drawn:
             xs, ys = zip(*points, strict=True)
             axes.plot(xs, ys, marker="o", markersize=3, linewidth=1.5, label=label)
-            drawn = True
-            lowest = min(lowest, *ys)
-        if not drawn:
-            return False
-        if lowest >= 0:  # rates, rewards and lengths: from zero
-            axes.set_ylim(bottom=0)
-        xs_all = [x for e in steps if (x := _number(e.get("step"))) is not None]
+        if min(y for _, points in drawn for _, y in points) >= 0:
+            axes.set_ylim(bottom=0)  # rates, rewards and lengths: from zero
+        xs_all = [x for _, points in drawn for x, _ in points]
         axes.set_xlim(min(xs_all) - 0.6, max(xs_all) + 0.6)
-        # Stage boundaries: a dotted line where the stage changes, its name at the top.
         previous = None
-        for entry in steps:
+        for entry in stages:
             stage = entry.get("stage")
             step = _number(entry.get("step"))
             if stage != previous and step is not None:
@@ -206,10 +234,8 @@ def _plot(
         axes.set_xlabel("step")
         axes.set_ylabel(ylabel)
         axes.grid(True, alpha=0.3)
-        if len(series) > 1:
+        if len(lines) > 1:
             axes.legend(fontsize=8)
-        from matplotlib.ticker import MaxNLocator
-
         axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         figure.tight_layout()
         figure.savefig(path)
@@ -226,10 +252,7 @@ def write_report(run_dir: Path) -> Path:
     entries = read_metrics(run_dir / "metrics.jsonl")
     sft = [e for e in entries if e.get("stage") == SFT]
     evaluations = [e for e in entries if e.get("stage") == EVALUATION]
-    steps = sorted(
-        (e for e in entries if e.get("stage") not in (SFT, EVALUATION)),
-        key=lambda e: _number(e.get("step")) or 0.0,
-    )
+    steps = _steps(entries)
 
     lines = [f"# Training report: {run_dir.name}", ""]
     status = _status(run_dir)
@@ -359,3 +382,94 @@ def _status(run_dir: Path) -> str:
     if checkpoint:
         text += f" Last checkpoint: `{checkpoint}`."
     return text
+
+
+def _steps(entries: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The RL steps among a run's metrics, in step order."""
+    return sorted(
+        (e for e in entries if e.get("stage") not in (SFT, EVALUATION)),
+        key=lambda e: _number(e.get("step")) or 0.0,
+    )
+
+
+def trend(steps: Sequence[dict[str, Any]], key: str) -> tuple[float | None, float | None]:
+    """Mean of `key` over the first and over the last third of the steps that have it."""
+    values = [v for e in steps if (v := _number(e.get(key))) is not None]
+    if not values:
+        return None, None
+    third = max(1, len(values) // 3)
+    return sum(values[:third]) / third, sum(values[-third:]) / third
+
+
+def write_comparison(runs: Mapping[str, Path], folder: Path) -> Path:
+    """Runs side by side (an ablation: the same start, steps and problems): `folder/
+    comparison.md` with each metric's first- and last-third mean per run and every run's
+    held-out evaluations, and one PNG per metric with a line per run. Returns the .md path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    metrics = {
+        name: read_metrics(Path(run_dir) / "metrics.jsonl") for name, run_dir in runs.items()
+    }
+    steps = {name: _steps(entries) for name, entries in metrics.items()}
+    lines = [f"# Comparison: {', '.join(runs)}", ""]
+    lines += ["Per run, the mean over the first third of its RL steps -> the last third.", ""]
+    rows = []
+    for name, run_steps in steps.items():
+        cells = []
+        for key, _, _, fmt in COMPARED:
+            first, last = trend(run_steps, key)
+            cells.append(f"{_cell(first, fmt)} -> {_cell(last, fmt)}")
+        rows.append([name, str(len(run_steps)), *cells])
+    lines += _table(["run", "steps", *(title for _, title, _, _ in COMPARED)], rows)
+    lines.append("")
+    evaluations = [
+        [
+            name,
+            _point(entry),
+            _cell(entry.get("step"), "d"),
+            _cell(entry.get("eval_accuracy"), ".3f"),
+        ]
+        for name, entries in metrics.items()
+        for entry in entries
+        if entry.get("stage") == EVALUATION
+    ]
+    if evaluations:
+        lines += ["## Held-out evaluation", "", "Greedy decoding.", ""]
+        lines += _table(["run", "when", "after step", "accuracy"], evaluations)
+        lines.append("")
+    plots = [
+        (
+            f"compare_{key}.png",
+            title,
+            ylabel,
+            [(name, _points(s, key)) for name, s in steps.items()],
+        )
+        for key, title, ylabel, _ in COMPARED
+    ]
+    plots.append(
+        (
+            "compare_eval_accuracy.png",
+            "Held-out accuracy (greedy)",
+            "accuracy",
+            [
+                (
+                    name,
+                    _points([e for e in entries if e.get("stage") == EVALUATION], "eval_accuracy"),
+                )
+                for name, entries in metrics.items()
+            ],
+        )
+    )
+    try:
+        drawn = [
+            (file, title)
+            for file, title, ylabel, run_lines in plots
+            if _line_plot(run_lines, title, ylabel, folder / file)
+        ]
+    except ImportError:
+        drawn = []
+        lines += ["Plots need matplotlib: pip install 'kubestar[training]'.", ""]
+    if drawn:
+        lines += ["## Plots", "", *(f"![{title}]({file})" for file, title in drawn), ""]
+    path = folder / "comparison.md"
+    path.write_text("\n".join(lines))
+    return path
