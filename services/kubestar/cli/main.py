@@ -10,6 +10,7 @@ from kubestar.cli.engine import engine, model
 from kubestar.cli.errors import DEBUG_ENV, debug_requested, describe
 from kubestar.cli.eval import evaluate
 from kubestar.cli.operator import operator
+from kubestar.cli.ppm import ppm
 from kubestar.cli.report import report
 from kubestar.cli.rollout import rollout
 from kubestar.cli.sandbox import sandbox
@@ -35,6 +36,7 @@ cli.add_command(operator)
 cli.add_command(train)
 cli.add_command(evaluate)
 cli.add_command(report)
+cli.add_command(ppm)
 
 
 def main() -> None:
