@@ -17,6 +17,7 @@ from pathlib import Path
 
 from kubestar.common.net import free_port
 from kubestar.engine import launch
+from kubestar.engine.client import EngineClient
 from kubestar.engine.launch import EngineProcess, EngineSettings
 
 from tests.real_parts import engine_python, tiny_model
@@ -54,3 +55,12 @@ def running_engines(
     engines = [settings(model, blocks, cpus=cpus[i] if i < len(cpus) else "") for i in range(count)]
     with launch.running_engines(engines, log_dir) as started:
         yield started
+
+
+async def scrape(url: str) -> str:
+    """An engine's /metrics text."""
+    client = EngineClient(url, timeout=30)
+    try:
+        return await client.metrics_text()
+    finally:
+        await client.close()

@@ -3,7 +3,9 @@
 It speaks the few endpoints the scheduler uses (/v1/completions with token ids, /metrics in
 vLLM's format, /health, /v1/models, and the weight-reload dev endpoints) and models the KV
 cache in whole blocks: a turn holds ceil((prompt + generated) / block_size) blocks, and a
-turn that needs a block when none is free counts a preemption (and waits, as vLLM would).
+turn that needs a block when none is free counts a preemption (and waits, as vLLM would). A
+request for n samples holds the prompt's full blocks once and, for each sample, the prompt's
+partial last block and its new tokens (vLLM's prefix sharing); its samples differ.
 The real engines are exercised by the integration tests (test_vllm*.py).
 """
 
@@ -25,11 +27,14 @@ class _Running:
     generated: int = 0
     # Preempted: its KV was freed; it comes back when its blocks fit again.
     evicted: bool = False
+    samples: int = 1
 
     def blocks(self, block_size: int, extra: int = 0) -> int:
         if self.evicted and not extra:
             return 0
-        return math.ceil((self.prompt + self.generated + extra) / block_size)
+        shared = self.prompt // block_size
+        own = math.ceil((self.prompt % block_size + self.generated + extra) / block_size)
+        return shared + self.samples * own
 
 
 @dataclass
@@ -45,9 +50,13 @@ class FakeEngine:
     # Set: the output is this text, one character a token, continuing from the context's
     # length (so segments of a turn continue it), and stop strings end a request as in vLLM.
     script: str = ""
+    # Set: sample i of a request follows scripts[i % len(scripts)] as `script` would.
+    scripts: tuple[str, ...] = ()
     weights: str = "base"
     preemptions: int = 0
     requests: list[tuple[int, int]] = field(default_factory=list)
+    # n of each request, in order (beside `requests`).
+    samples: list[int] = field(default_factory=list)
     max_running: int = 0
     reloads: list[str] = field(default_factory=list)
     # Set: a weight reload answers only after this many seconds (a stuck reload).
@@ -129,7 +138,9 @@ class FakeEngine:
         body = await request.json()
         prompt: list[int] = body["prompt"]
         max_tokens: int = body["max_tokens"]
+        n: int = body.get("n") or 1
         self.requests.append((len(prompt), max_tokens))
+        self.samples.append(n)
         if len(prompt) + max_tokens > self.max_model_len:
             return web.json_response(
                 {"error": {"message": "longer than max_model_len", "code": 400}}, status=400
@@ -139,7 +150,7 @@ class FakeEngine:
         self._requests[id(request)] = request
         if self.down and request.transport is not None:
             request.transport.close()
-        turn = _Running(prompt=len(prompt))
+        turn = _Running(prompt=len(prompt), samples=n)
         self.running.append(turn)
         self.max_running = max(self.max_running, len(self.running))
         try:
@@ -155,7 +166,7 @@ class FakeEngine:
                         continue
                     turn.evicted = False
                 elif (turn.prompt + turn.generated) % self.block_size == 0 and (
-                    self.used_blocks + 1 > usable
+                    self.used_blocks + turn.samples > usable
                 ):
                     self.preemptions += 1  # no free block: vLLM preempts (recomputes later)
                     turn.evicted = True
@@ -165,10 +176,18 @@ class FakeEngine:
             self._requests.pop(id(request), None)
             if turn in self.running:
                 self.running.remove(turn)
-        if self.script:
-            choice = self._scripted(len(prompt), max_tokens, body.get("stop") or [])
+        choices = [self._choice(prompt, max_tokens, body, index) for index in range(n)]
+        return web.json_response({"choices": choices})
+
+    def _choice(
+        self, prompt: list[int], max_tokens: int, body: dict[str, Any], index: int
+    ) -> dict[str, Any]:
+        script = self.scripts[index % len(self.scripts)] if self.scripts else self.script
+        if script:
+            choice = self._scripted(script, len(prompt), max_tokens, body.get("stop") or [])
         else:
-            seed = zlib.crc32(f"{self.weights}:{sum(prompt)}".encode())
+            # Sample 0 is what a one-sample request gets; the others differ from it.
+            seed = zlib.crc32(f"{self.weights}:{sum(prompt)}".encode()) + index * 104729
             tokens = [(seed + i * 7919) % 1000 + 10 for i in range(max_tokens)]
             choice = {
                 "text": " ".join(map(str, tokens)),
@@ -176,15 +195,18 @@ class FakeEngine:
                 "finish_reason": "length",
                 "stop_reason": None,
             }
+        choice["index"] = index
         if body.get("logprobs") is not None:
             count = len(choice["token_ids"])
             choice["logprobs"] = {"token_logprobs": [-0.5] * count}
-            if self.script:
+            if script:
                 choice["logprobs"]["text_offset"] = list(range(count))
-        return web.json_response({"choices": [choice]})
+        return choice
 
-    def _scripted(self, start: int, max_tokens: int, stops: list[str]) -> dict[str, Any]:
-        text = "".join(self.script[(start + i) % len(self.script)] for i in range(max_tokens))
+    def _scripted(
+        self, script: str, start: int, max_tokens: int, stops: list[str]
+    ) -> dict[str, Any]:
+        text = "".join(script[(start + i) % len(script)] for i in range(max_tokens))
         finish, stop_reason = "length", None
         ends = [(text.find(stop) + len(stop), stop) for stop in stops if stop in text]
         if ends:

@@ -25,7 +25,7 @@ from kubestar.scheduler.server import SchedulerServer, ServerConfig
 from kubestar.v1 import rollout_pb2 as pb
 
 from tests.real_parts import engine_python, tiny_model
-from tests.scheduler.engines import running_engines
+from tests.scheduler.engines import running_engines, scrape
 
 pytestmark = pytest.mark.slow
 
@@ -79,14 +79,6 @@ async def scheduler(
             yield server, client
     finally:
         await server.stop(grace_seconds=5.0)
-
-
-async def scrape(url: str) -> str:
-    client = EngineClient(url, timeout=30)
-    try:
-        return await client.metrics_text()
-    finally:
-        await client.close()
 
 
 async def preemptions(engines: Sequence[EngineProcess]) -> list[int]:

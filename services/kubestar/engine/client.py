@@ -39,6 +39,20 @@ class Completion:
     text_offsets: list[int] = field(default_factory=list)
 
 
+def _completion(choice: dict[str, Any]) -> Completion:
+    token_logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+    text_offsets = (choice.get("logprobs") or {}).get("text_offset") or []
+    stop_reason = choice.get("stop_reason")
+    return Completion(
+        token_ids=list(choice.get("token_ids") or []),
+        text=choice.get("text") or "",
+        finish_reason=choice.get("finish_reason") or "stop",
+        stop_reason=stop_reason if isinstance(stop_reason, str) else "",
+        logprobs=[float(x) for x in token_logprobs],
+        text_offsets=[int(x) for x in text_offsets],
+    )
+
+
 class EngineClient:
     """`token`: the installation's bearer token, sent with every request (the engine's
     kubestar.engine.auth_middleware requires it); None takes it from the environment
@@ -93,6 +107,27 @@ class EngineClient:
         seed: int | None = None,
         logprobs: bool = False,
     ) -> Completion:
+        """One completion of the prompt."""
+        completions = await self.sample(
+            prompt_token_ids, max_tokens, 1, temperature, top_p, top_k, stop, seed, logprobs
+        )
+        return completions[0]
+
+    async def sample(
+        self,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: list[str] | None = None,
+        seed: int | None = None,
+        logprobs: bool = False,
+    ) -> list[Completion]:
+        """`n` completions of the prompt from one request (vLLM's n: the prompt is prefilled
+        once and shared by the n continuations), in order. A seeded request gives sample i
+        the seed + i, as vLLM does."""
         body: dict[str, Any] = {
             "model": SERVED_MODEL_NAME,
             "prompt": prompt_token_ids,
@@ -103,6 +138,8 @@ class EngineClient:
             "skip_special_tokens": False,
             "include_stop_str_in_output": True,
         }
+        if n > 1:
+            body["n"] = n
         if top_k:
             body["top_k"] = top_k
         if stop:
@@ -112,18 +149,10 @@ class EngineClient:
         if logprobs:
             body["logprobs"] = 0
         answer = await self._post("/v1/completions", body)
-        choice = answer["choices"][0]
-        token_logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
-        text_offsets = (choice.get("logprobs") or {}).get("text_offset") or []
-        stop_reason = choice.get("stop_reason")
-        return Completion(
-            token_ids=list(choice.get("token_ids") or []),
-            text=choice.get("text") or "",
-            finish_reason=choice.get("finish_reason") or "stop",
-            stop_reason=stop_reason if isinstance(stop_reason, str) else "",
-            logprobs=[float(x) for x in token_logprobs],
-            text_offsets=[int(x) for x in text_offsets],
-        )
+        choices = sorted(answer["choices"], key=lambda choice: choice.get("index") or 0)
+        if len(choices) < n:
+            raise EngineError(f"/v1/completions: asked for {n} completions, got {len(choices)}")
+        return [_completion(choice) for choice in choices[:n]]
 
     async def metrics_text(self) -> str:
         try:

@@ -32,6 +32,22 @@ def sampling_params(sampling: pb.SamplingParams | Mapping[str, Any] | None) -> p
     return pb.SamplingParams(**dict(sampling))
 
 
+def completions(response: pb.GenerateResponse) -> list[pb.Completion]:
+    """Every completion of a Generate answer, in order. A scheduler from before n samples
+    sends only the one-completion fields: they make the one completion then."""
+    if response.completions:
+        return list(response.completions)
+    return [
+        pb.Completion(
+            token_ids=response.token_ids,
+            text=response.text,
+            logprobs=response.logprobs,
+            finish_reason=response.finish_reason,
+            stop_reason=response.stop_reason,
+        )
+    ]
+
+
 class SchedulerClient:
     """One channel to a scheduler; create and use it inside one event loop.
 
@@ -62,12 +78,15 @@ class SchedulerClient:
         prompt_token_ids: Sequence[int],
         max_new_tokens: int,
         sampling: pb.SamplingParams | Mapping[str, Any] | None = None,
+        n: int = 1,
     ) -> pb.GenerateResponse:
+        """One turn, or `n` samples of it from one prefill (read them with `completions`)."""
         request = pb.GenerateRequest(
             trajectory_id=trajectory_id,
             prompt_token_ids=list(prompt_token_ids),
             max_new_tokens=max_new_tokens,
             sampling=sampling_params(sampling),
+            n=n,
         )
         response: pb.GenerateResponse = await self.stub.Generate(
             request, timeout=self.timeout, metadata=self._metadata

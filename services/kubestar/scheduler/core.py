@@ -11,7 +11,8 @@ Interface (what a simulator needs)
   `waiting`, `preemptions`; kept by the scheduler itself: `reserved_tokens`, `in_flight`,
   `trajectories` (the prefix-affinity set), `healthy`. A simulator may set the fields directly.
 * `TurnRequest`: one trajectory turn (`trajectory_id`, `prompt_tokens`, `max_new_tokens`,
-  `seq` = arrival number, `enqueued_at` = arrival time in the caller's clock).
+  `seq` = arrival number, `enqueued_at` = arrival time in the caller's clock, `samples` =
+  continuations sampled from the prompt, vLLM's n).
 * A policy is `choose(engines, request) -> EngineState | None` (`POLICIES[name]`); None means
   "queue it". `kv_aware` may return None; `least_requests` and `round_robin` never do while
   an engine is admitting (they send at once, as static assignment and upstream verl do).
@@ -31,6 +32,14 @@ Per engine, in tokens, with B = block size and N = number of KV blocks::
     free     = usable - used
     need     = ceil((prompt + max_new_tokens) / B) * B
     admit on an engine iff free >= need
+
+A turn of n samples (vLLM's n: a search tree's siblings) is one request: the engine prefills
+the prompt once, its full blocks are shared by the n continuations (prefix caching), and each
+continuation holds its own copy of the prompt's last, partial block and its new tokens::
+
+    need     = floor(prompt / B) * B + n * ceil((prompt mod B + max_new_tokens) / B) * B
+
+about prompt + n * max_new_tokens; for n = 1 the two formulas agree.
 
 `reserved` is the sum of `need` over the turns the scheduler has in flight there: the most
 KV those turns can ever hold, so while the engine's cache holds only our turns, vLLM never has
@@ -55,7 +64,9 @@ whole turn would hold room the turn may never use (most turns stop long before t
 and cap the engine's batch well below what its cache holds; a segment reserves about what the
 turn will actually hold next, and still never more than the engine has, so vLLM never
 preempts. vLLM looks for stop strings within one request only: one split across two segments
-is found by `find_split_stop`.
+is found by `find_split_stop`. A turn of n samples is admitted whole: its n continuations part
+ways after the first token, so a next segment would be n requests of their own anyway, and the
+steps a search samples this way are short.
 
 Queue: FIFO with backfilling (a turn that does not fit is passed by later ones that do).
 A turn that has waited `starvation_seconds` holds one engine, the one that lacks the fewest
@@ -109,10 +120,19 @@ class TurnRequest:
     seq: int = 0
     # Arrival time in the caller's clock (starvation protection).
     enqueued_at: float = 0.0
+    # Continuations sampled from the prompt in one request (vLLM's n).
+    samples: int = 1
 
     @property
     def tokens(self) -> int:
+        """The longest sequence of the turn (what the context length must hold)."""
         return self.prompt_tokens + self.max_new_tokens
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV the turn holds at the most, before rounding to blocks: the prompt once, the new
+        tokens of every sample (a lower bound of `EngineState.need`)."""
+        return self.prompt_tokens + self.samples * self.max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -194,8 +214,14 @@ class EngineState:
         return math.ceil(tokens / self.block_size) * self.block_size if self.block_size else tokens
 
     def need(self, request: TurnRequest) -> int:
-        """The most KV (tokens, whole blocks) the turn can hold on this engine."""
-        return self.blocks_for(request.tokens)
+        """The most KV (tokens, whole blocks) the turn can hold on this engine: the prompt's
+        full blocks once, shared by its samples, and for each sample the prompt's partial
+        last block and its new tokens (see the module docstring)."""
+        if request.samples <= 1 or not self.block_size:
+            return self.blocks_for(request.tokens if request.samples <= 1 else request.kv_tokens)
+        shared = request.prompt_tokens // self.block_size * self.block_size
+        own = self.blocks_for(request.prompt_tokens - shared + request.max_new_tokens)
+        return shared + request.samples * own
 
     def largest_request_tokens(self) -> int:
         """The largest `need` this engine can ever hold (0: not known yet)."""
@@ -353,10 +379,11 @@ def check_fits(engines: Sequence[EngineState], request: TurnRequest) -> None:
     largest = max(e.largest_request_tokens() for e in candidates)
     limits = [e.max_model_len for e in candidates if e.max_model_len]
     context = f", context length {max(limits)}" if limits else ""
+    samples = f" x {request.samples} samples" if request.samples > 1 else ""
     raise RequestTooLarge(
-        f"turn needs {request.prompt_tokens} prompt + {request.max_new_tokens} new tokens "
-        f"({candidates[0].need(request)} KV tokens in whole blocks); the largest engine "
-        f"holds {largest} KV tokens{context}"
+        f"turn needs {request.prompt_tokens} prompt + {request.max_new_tokens} new "
+        f"tokens{samples} ({candidates[0].need(request)} KV tokens in whole blocks); the largest "
+        f"engine holds {largest} KV tokens{context}"
     )
 
 
@@ -390,7 +417,9 @@ def plan_admissions(
     for index, request in enumerate(queue):
         if by_room and most_free < smallest_after[index]:
             break
-        engine = None if by_room and request.tokens > most_free else policy(open_engines, request)
+        engine = (
+            None if by_room and request.kv_tokens > most_free else policy(open_engines, request)
+        )
         if engine is None:
             if now - request.enqueued_at >= starvation_seconds:
                 held = _soonest_fit(open_engines, request, free)
@@ -445,11 +474,11 @@ def _most_free(engines: Sequence[EngineState], free: dict[int, int]) -> int:
 
 
 def _suffix_min_tokens(queue: Sequence[TurnRequest]) -> list[int]:
-    """[min(r.tokens for r in queue[i:]) for each i] (computed in one pass)."""
+    """[min(r.kv_tokens for r in queue[i:]) for each i] (computed in one pass)."""
     out = [0] * len(queue)
     smallest = math.inf
     for i in range(len(queue) - 1, -1, -1):
-        smallest = min(smallest, queue[i].tokens)
+        smallest = min(smallest, queue[i].kv_tokens)
         out[i] = int(smallest)
     return out
 

@@ -20,17 +20,45 @@ POLICY_TO_PROTO = {
 }
 
 
+def _finish(reason: str) -> pb.FinishReason:
+    return pb.FINISH_REASON_LENGTH if reason == "length" else pb.FINISH_REASON_STOP
+
+
 def generate_response(
     turn: Turn, engine: EngineState, finish_reason: str, stop_reason: str
 ) -> pb.GenerateResponse:
-    """A finished turn: what its segments generated, and where and how long it ran."""
-    finish = pb.FINISH_REASON_LENGTH if finish_reason == "length" else pb.FINISH_REASON_STOP
+    """A finished turn: what its segments (or its n samples) generated, and where and how
+    long it ran. The first completion also fills the fields of a one-sample answer."""
+    if turn.completions:
+        keep_logprobs = turn.sampling.logprobs
+        completions = [
+            pb.Completion(
+                token_ids=c.token_ids,
+                text=c.text,
+                logprobs=c.logprobs if keep_logprobs else [],
+                finish_reason=_finish(c.finish_reason),
+                stop_reason=c.stop_reason,
+            )
+            for c in turn.completions
+        ]
+    else:
+        completions = [
+            pb.Completion(
+                token_ids=turn.token_ids,
+                text=turn.text,
+                logprobs=turn.logprobs,
+                finish_reason=_finish(finish_reason),
+                stop_reason=stop_reason,
+            )
+        ]
+    first = completions[0]
     return pb.GenerateResponse(
-        token_ids=turn.token_ids,
-        text=turn.text,
-        logprobs=turn.logprobs,
-        finish_reason=finish,
-        stop_reason=stop_reason,
+        token_ids=first.token_ids,
+        text=first.text,
+        logprobs=first.logprobs,
+        finish_reason=first.finish_reason,
+        stop_reason=first.stop_reason,
+        completions=completions,
         engine=engine.name,
         queue_ms=turn.queue_seconds * 1000.0,
         generate_ms=turn.generate_seconds * 1000.0,

@@ -7,6 +7,12 @@ only its own context + new tokens, and the next one is queued ahead of new turns
 while it has room). Segments are invisible to callers: one turn, one response. An engine
 left idle takes over a segment that a much slower engine would still need long for (a move).
 
+A turn may ask for n samples (vLLM's n, how a search draws a node's children): one request to
+one engine, which prefills the prompt once and samples n continuations; it is admitted whole,
+reserving the prompt and all n continuations (`core.EngineState.need`), and answered with n
+completions. Its trajectory id (a search uses one per tree) keeps it on the engine that holds
+the prefix, like a trajectory's turns.
+
 Failures: a turn whose engine cannot be reached (connection refused or reset, HTTP 5xx,
 timeout) takes that engine out, and every turn in flight there is sent again elsewhere. A
 turn fails only when no engine is left (or after `max_attempts` engines failed under it); an
@@ -96,6 +102,8 @@ class Turn:
     logprobs: list[float] = field(default_factory=list)
     # Called with each finished segment's tokens, text and logprobs (streaming callers).
     on_segment: SegmentCallback | None = None
+    # A turn of n > 1 samples: its n completions, once generated (it runs whole).
+    completions: list[Completion] = field(default_factory=list)
 
     @property
     def remaining(self) -> int:
@@ -178,15 +186,21 @@ class Scheduler:
         max_new_tokens: int,
         sampling: pb.SamplingParams | None = None,
         on_segment: SegmentCallback | None = None,
+        n: int = 1,
     ) -> pb.GenerateResponse:
-        """Run one turn; `on_segment` sees each part of it as it is done (a segment of
-        SchedulerConfig.segment_tokens, or the whole turn)."""
+        """Run one turn, or draw `n` samples of it from one prefill; `on_segment` sees each
+        part of a one-sample turn as it is done (a segment of SchedulerConfig.segment_tokens,
+        or the whole turn)."""
         if self._draining:
             raise SchedulerDraining("the scheduler is shutting down")
         if not prompt_token_ids:
             raise TurnRejected("prompt_token_ids is empty")
         if max_new_tokens <= 0:
             raise TurnRejected("max_new_tokens must be at least 1")
+        if n < 1:
+            raise TurnRejected("n must be at least 1")
+        if n > 1 and on_segment is not None:
+            raise TurnRejected("a turn of n > 1 samples is answered whole, not in parts")
         now = time.monotonic()
         whole = TurnRequest(
             trajectory_id=trajectory_id,
@@ -194,6 +208,7 @@ class Scheduler:
             max_new_tokens=max_new_tokens,
             seq=next(self._seq),
             enqueued_at=now,
+            samples=n,
         )
         if not self._engines.alive():
             self.metrics.failed.labels("no-engine").inc()
@@ -205,7 +220,10 @@ class Scheduler:
             raise
         turn = Turn(
             whole=whole,
-            request=replace(
+            # n samples run whole (core's module docstring says why).
+            request=whole
+            if n > 1
+            else replace(
                 whole, max_new_tokens=self._segment(max_new_tokens, len(prompt_token_ids))
             ),
             prompt_token_ids=list(prompt_token_ids),
@@ -302,9 +320,10 @@ class Scheduler:
         context = turn.prompt_token_ids + turn.token_ids if turn.segments else turn.prompt_token_ids
         started = turn.sent_at = time.monotonic()
         try:
-            completion = await engine.client.complete(
+            completions = await engine.client.sample(
                 context,
                 turn.request.max_new_tokens,
+                turn.request.samples,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p or 1.0,
                 top_k=sampling.top_k,
@@ -354,10 +373,20 @@ class Scheduler:
             return
         now = time.monotonic()
         turn.generate_seconds += now - started
-        record_decode(engine.state, len(completion.token_ids), now - started)
-        self._finish(turn, engine, len(context) + len(completion.token_ids))
-        finish_reason, stop_reason = self._take_segment(turn, completion)
-        if finish_reason == "length" and turn.remaining > 0 and not turn.future.done():
+        generated = [len(completion.token_ids) for completion in completions]
+        record_decode(engine.state, max(generated), now - started)
+        self._finish(turn, engine, len(context) + sum(generated))
+        if turn.request.samples > 1:
+            turn.completions = completions
+            finish_reason, stop_reason = completions[0].finish_reason, completions[0].stop_reason
+        else:
+            finish_reason, stop_reason = self._take_segment(turn, completions[0])
+        if (
+            finish_reason == "length"
+            and turn.request.samples == 1
+            and turn.remaining > 0
+            and not turn.future.done()
+        ):
             # Only a segment ended: the rest of the turn goes first in the queue.
             context_tokens = turn.whole.prompt_tokens + len(turn.token_ids)
             turn.request = replace(

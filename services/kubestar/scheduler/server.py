@@ -89,6 +89,7 @@ class RolloutSchedulerServicer(pb_grpc.RolloutSchedulerServiceServicer):
                 request.prompt_token_ids,
                 request.max_new_tokens,
                 request.sampling,
+                n=request.n or 1,
             )
         except (SchedulerError, RequestTooLarge) as error:
             await self._abort(context, error)
