@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,11 +53,15 @@ class FakeEngine:
     script: str = ""
     # Set: sample i of a request follows scripts[i % len(scripts)] as `script` would.
     scripts: tuple[str, ...] = ()
+    # Set: sample i of a request writes respond(prompt ids, i), one character a token (its
+    # id the character's code), cut at a stop string or max_tokens as vLLM would.
+    respond: Callable[[list[int], int], str] | None = None
     weights: str = "base"
     preemptions: int = 0
     requests: list[tuple[int, int]] = field(default_factory=list)
-    # n of each request, in order (beside `requests`).
+    # n of each request, in order (beside `requests`), and each request's body.
     samples: list[int] = field(default_factory=list)
+    bodies: list[dict[str, Any]] = field(default_factory=list)
     max_running: int = 0
     reloads: list[str] = field(default_factory=list)
     # Set: a weight reload answers only after this many seconds (a stuck reload).
@@ -141,6 +146,7 @@ class FakeEngine:
         n: int = body.get("n") or 1
         self.requests.append((len(prompt), max_tokens))
         self.samples.append(n)
+        self.bodies.append(body)
         if len(prompt) + max_tokens > self.max_model_len:
             return web.json_response(
                 {"error": {"message": "longer than max_model_len", "code": 400}}, status=400
@@ -183,7 +189,10 @@ class FakeEngine:
         self, prompt: list[int], max_tokens: int, body: dict[str, Any], index: int
     ) -> dict[str, Any]:
         script = self.scripts[index % len(self.scripts)] if self.scripts else self.script
-        if script:
+        if self.respond is not None:
+            text = self.respond(prompt, index)[:max_tokens]
+            choice = self._cut(text, max_tokens, body.get("stop") or [])
+        elif script:
             choice = self._scripted(script, len(prompt), max_tokens, body.get("stop") or [])
         else:
             # Sample 0 is what a one-sample request gets; the others differ from it.
@@ -199,7 +208,7 @@ class FakeEngine:
         if body.get("logprobs") is not None:
             count = len(choice["token_ids"])
             choice["logprobs"] = {"token_logprobs": [-0.5] * count}
-            if script:
+            if script or self.respond is not None:
                 choice["logprobs"]["text_offset"] = list(range(count))
         return choice
 
@@ -207,7 +216,11 @@ class FakeEngine:
         self, script: str, start: int, max_tokens: int, stops: list[str]
     ) -> dict[str, Any]:
         text = "".join(script[(start + i) % len(script)] for i in range(max_tokens))
-        finish, stop_reason = "length", None
+        return self._cut(text, max_tokens, stops)
+
+    def _cut(self, text: str, max_tokens: int, stops: list[str]) -> dict[str, Any]:
+        """End the text at its first stop string (kept), as vLLM does."""
+        finish, stop_reason = "length" if len(text) >= max_tokens else "stop", None
         ends = [(text.find(stop) + len(stop), stop) for stop in stops if stop in text]
         if ends:
             end, stop_reason = min(ends)

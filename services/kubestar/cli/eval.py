@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 import click
+from kubestar.cli.options import local_services_options
 
 
 @click.command("eval")
@@ -50,35 +51,11 @@ import click
 @click.option("--engine", "engine_url", metavar="URL", help="A running vLLM engine.")
 @click.option("--sandbox", metavar="HOST:PORT", help="A running sandbox (gRPC).")
 @click.option(
-    "--engine-python",
-    default="",
-    help="Python with vLLM for a local engine (default: KUBESTAR_ENGINE_PYTHON, else this one).",
-)
-@click.option(
     "--max-model-len",
     default=0,
     help="Context length of a local engine (0: max-response-tokens + 1024).",
 )
-@click.option(
-    "--device",
-    type=click.Choice(["cpu", "cuda", "rocm"]),
-    default="cpu",
-    show_default=True,
-    help="Device of a local engine.",
-)
-@click.option("--sandbox-executors", default=4, show_default=True)
-@click.option(
-    "--sandbox-preload",
-    default="numpy,sympy",
-    show_default=True,
-    help="Modules a local sandbox's executors import once.",
-)
-@click.option(
-    "--log-dir",
-    type=click.Path(file_okay=False),
-    default="",
-    help="Logs of the local engine and sandbox (default: a temporary folder).",
-)
+@local_services_options
 @click.option(
     "--output",
     type=click.Path(dir_okay=False, writable=True),

@@ -15,6 +15,7 @@ from kubestar.cli.report import report
 from kubestar.cli.rollout import rollout
 from kubestar.cli.sandbox import sandbox
 from kubestar.cli.scheduler import scheduler
+from kubestar.cli.solve import solve
 from kubestar.cli.train import train
 
 
@@ -37,6 +38,7 @@ cli.add_command(train)
 cli.add_command(evaluate)
 cli.add_command(report)
 cli.add_command(ppm)
+cli.add_command(solve)
 
 
 def main() -> None:

@@ -26,3 +26,41 @@ def auth_token_file_option(text: str = SERVER_AUTH_HELP) -> Callable[[F], F]:
         default=None,
         help=text,
     )
+
+
+def local_services_options(function: F) -> F:
+    """`--engine-python`, `--device`, `--sandbox-executors`, `--sandbox-preload`, `--log-dir`:
+    how a command that starts its own engine and sandbox (as local processes) starts them."""
+    options = [
+        click.option(
+            "--engine-python",
+            default="",
+            help="Python with vLLM for a local engine (default: KUBESTAR_ENGINE_PYTHON, else "
+            "this one).",
+        ),
+        click.option(
+            "--device",
+            type=click.Choice(["cpu", "cuda", "rocm"]),
+            default="cpu",
+            show_default=True,
+            help="Device of a local engine.",
+        ),
+        click.option(
+            "--sandbox-executors", type=click.IntRange(min=1), default=4, show_default=True
+        ),
+        click.option(
+            "--sandbox-preload",
+            default="numpy,sympy",
+            show_default=True,
+            help="Modules a local sandbox's executors import once.",
+        ),
+        click.option(
+            "--log-dir",
+            type=click.Path(file_okay=False),
+            default="",
+            help="Logs of the local engine and sandbox (default: a temporary folder).",
+        ),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function

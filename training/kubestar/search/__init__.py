@@ -1,7 +1,10 @@
 """Test-time search as rStar-Math does it: MCTS and step-level beam search over code-augmented
-reasoning steps, valued by ground truth or a process preference model, and the SFT traces and
-PPM preference pairs built from finished trees."""
+reasoning steps, valued by ground truth or a process preference model, the baselines it is
+measured against, and the SFT traces and PPM preference pairs built from finished trees. The
+search on kubestar's services (scheduler, sandbox): `kubestar.search.adapters` and
+`kubestar.search.solve`."""
 
+from kubestar.search.baselines import best_of_n, greedy, majority_vote, sample_chains
 from kubestar.search.data import PpmPair, SftTrace, edit_distance, ppm_pairs, sft_traces
 from kubestar.search.mcts import (
     MCTS,
@@ -14,6 +17,7 @@ from kubestar.search.mcts import (
     SearchResult,
     beam_search,
     expand,
+    settle,
 )
 from kubestar.search.steps import (
     ParsedStep,
@@ -28,8 +32,10 @@ from kubestar.search.tree import (
     SearchSettings,
     Terminal,
     backpropagate,
+    node_records,
     select,
     selection_score,
+    tree_from_records,
     vote,
 )
 
@@ -54,12 +60,19 @@ __all__ = [
     "ToolCallFormat",
     "backpropagate",
     "beam_search",
+    "best_of_n",
     "edit_distance",
     "expand",
+    "greedy",
+    "majority_vote",
+    "node_records",
     "ppm_pairs",
     "replay",
+    "sample_chains",
     "select",
     "selection_score",
+    "settle",
     "sft_traces",
+    "tree_from_records",
     "vote",
 ]

@@ -127,6 +127,15 @@ async def expand(
     of the open ones in one batch, and apply the terminal rules. Returns the new children."""
     proposals = await policy.propose(node, n)
     children = add_children(node, [(p.text, p.token_ids) for p in proposals])
+    await settle(children, executor, step_format, settings)
+    return children
+
+
+async def settle(
+    children: Sequence[Node], executor: Executor, step_format: StepFormat, settings: SearchSettings
+) -> None:
+    """Read each new step, run the code of the open ones in one batch (whatever nodes they
+    hang under), and apply the terminal rules."""
     to_run: list[Node] = []
     for child in children:
         step = step_format.parse(child.text)
@@ -144,7 +153,6 @@ async def expand(
         for child, result in zip(to_run, results, strict=True):
             record_execution(child, result.output, result.failed, settings)
             child.observation = step_format.observation(child, result.failed)
-    return children
 
 
 class MCTS:

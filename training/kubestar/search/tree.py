@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kubestar.training.rewards import quick_match
 
@@ -172,18 +173,21 @@ def select(start: Node, c: float) -> Node | None:
     return None if node.terminal is not None else node
 
 
-def add_children(node: Node, steps: Sequence[tuple[str, Sequence[int]]]) -> list[Node]:
+def add_children(
+    node: Node, steps: Sequence[tuple[str, Sequence[int]]], distinct: bool = True
+) -> list[Node]:
     """Add one child per proposed step (text, token ids) and return the new children.
 
     A step whose text repeats a sibling's (or an earlier step of the same batch) is dropped:
     sampling n continuations of one prompt often returns the same step twice, and two equal
-    siblings would split one step's statistics. A node that receives no child at all is
-    EXHAUSTED (there is nothing to search below it).
+    siblings would split one step's statistics. `distinct` False keeps every step: the
+    independent samples of a vote, where each counts once. A node that receives no child at
+    all is EXHAUSTED (there is nothing to search below it).
     """
     seen = {child.text for child in node.children}
     added: list[Node] = []
     for text, token_ids in steps:
-        if text in seen:
+        if distinct and text in seen:
             continue
         seen.add(text)
         child = Node(
@@ -264,3 +268,69 @@ def vote(
         return None
     winner = max(groups, key=len)  # max keeps the first of equal lengths: the best-ranked
     return winner[0].answer
+
+
+def node_records(root: Node) -> list[dict[str, Any]]:
+    """The tree as a list of records, parents before children (what `kubestar solve` writes):
+    each node's id and its parent's, the step's text and token ids, its code, the tool's
+    observation, whether the code failed, N, W, Q, its first value, its terminal kind and
+    its answer. `tree_from_records` reads them back."""
+    return [
+        {
+            "id": node.id,
+            "parent": node.parent.id if node.parent is not None else None,
+            "depth": node.depth,
+            "text": node.text,
+            "token_ids": list(node.token_ids),
+            "code": node.code,
+            "observation": node.observation,
+            "code_failed": node.code_failed,
+            "N": node.N,
+            "W": node.W,
+            "Q": node.Q,
+            "value": node.value,
+            "terminal": node.terminal.value if node.terminal is not None else None,
+            "answer": node.answer,
+        }
+        for node in root.walk()
+    ]
+
+
+def tree_from_records(records: Sequence[Mapping[str, Any]]) -> Node:
+    """The root of a tree written by `node_records` (parents before children); Q follows
+    from N and W. Raises ValueError for records that do not make one tree."""
+    nodes: dict[str, Node] = {}
+    root: Node | None = None
+    for record in records:
+        parent_id = record.get("parent")
+        parent = nodes.get(parent_id) if parent_id is not None else None
+        if parent_id is not None and parent is None:
+            raise ValueError(
+                f"node {record.get('id')!r}: parent {parent_id!r} comes later or not at all"
+            )
+        terminal = record.get("terminal")
+        node = Node(
+            id=str(record["id"]),
+            parent=parent,
+            depth=int(record.get("depth", parent.depth + 1 if parent is not None else 0)),
+            text=str(record.get("text", "")),
+            token_ids=tuple(record.get("token_ids") or ()),
+            code=str(record.get("code", "")),
+            observation=str(record.get("observation", "")),
+            code_failed=bool(record.get("code_failed", False)),
+            N=int(record.get("N", 0)),
+            W=float(record.get("W", 0.0)),
+            value=record.get("value"),
+            terminal=Terminal(terminal) if terminal is not None else None,
+            answer=record.get("answer"),
+        )
+        if parent is None:
+            if root is not None:
+                raise ValueError(f"node {node.id!r}: a second root")
+            root = node
+        else:
+            parent.children.append(node)
+        nodes[node.id] = node
+    if root is None:
+        raise ValueError("no nodes")
+    return root
