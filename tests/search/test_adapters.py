@@ -38,6 +38,30 @@ def root() -> Node:
     return Node.root(PROMPT, encode(PROMPT))
 
 
+class Recorder:
+    """A scheduler that records what it is asked and answers one sample "a"."""
+
+    def __init__(self) -> None:
+        self.prompts: list[list[int]] = []
+        self.keys: list[str] = []
+        self.ended: list[str] = []
+
+    async def generate(
+        self,
+        trajectory_id: str,
+        prompt_token_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: rpb.SamplingParams | None = None,
+        n: int = 1,
+    ) -> rpb.GenerateResponse:
+        self.prompts.append(list(prompt_token_ids))
+        self.keys.append(trajectory_id)
+        return rpb.GenerateResponse(completions=[rpb.Completion(text="a", token_ids=[97])])
+
+    async def end_trajectory(self, trajectory_id: str) -> None:
+        self.ended.append(trajectory_id)
+
+
 async def test_one_request_of_n_samples_at_the_step_stops_with_the_stop_kept() -> None:
     async with scheduler() as (client, fakes):
         policy = SchedulerPolicy(client, RStarFormat(), encode, "tree-1", StepSampling(seed=5))
@@ -60,29 +84,26 @@ async def test_the_prompt_is_the_token_ids_along_the_path() -> None:
     step.token_ids = (7, 8, 9)
     step.observation = "\n<output>1<end_of_output>"
     node.children.append(step)
-    seen: list[list[int]] = []
-
-    class Recorder:
-        async def generate(
-            self,
-            trajectory_id: str,
-            prompt_token_ids: Sequence[int],
-            max_new_tokens: int,
-            sampling: rpb.SamplingParams | None = None,
-            n: int = 1,
-        ) -> rpb.GenerateResponse:
-            seen.append(list(prompt_token_ids))
-            return rpb.GenerateResponse(completions=[rpb.Completion(text="a", token_ids=[97])])
-
-        async def end_trajectory(self, trajectory_id: str) -> None:
-            return None
-
-    policy = SchedulerPolicy(Recorder(), RStarFormat(), encode, "tree", max_context=10_000)
+    recorder = Recorder()
+    policy = SchedulerPolicy(recorder, RStarFormat(), encode, "tree", max_context=10_000)
     await policy.propose(step, 2)
-    assert seen == [[*encode(PROMPT), 7, 8, 9, *encode(step.observation)]]
+    assert recorder.prompts == [[*encode(PROMPT), 7, 8, 9, *encode(step.observation)]]
     # No room left in the context: no request, no proposals (the node is exhausted).
-    tight = SchedulerPolicy(Recorder(), RStarFormat(), encode, "tree", max_context=len(seen[0]))
+    room = len(recorder.prompts[0])
+    tight = SchedulerPolicy(Recorder(), RStarFormat(), encode, "tree", max_context=room)
     assert await tight.propose(step, 2) == [] and tight.requests == 0
+
+
+async def test_without_affinity_each_request_has_a_key_of_its_own() -> None:
+    recorder = Recorder()
+    shared = SchedulerPolicy(recorder, RStarFormat(), encode, "tree")
+    apart = SchedulerPolicy(recorder, RStarFormat(), encode, "tree", affinity=False)
+    for policy in (shared, shared, apart, apart):
+        await policy.propose(root(), 2)
+    assert recorder.keys == ["tree", "tree", "tree/0", "tree/1"]
+    await shared.end()
+    await apart.end()
+    assert recorder.ended == ["tree"]
 
 
 async def test_a_trees_expansions_share_its_affinity_key_and_engine() -> None:

@@ -282,6 +282,19 @@ def _check_values(mode: str, ppm: str, ppm_endpoint: str, ground_truth: bool) ->
     help="Problems searched at once.",
 )
 @click.option("--scheduler", "scheduler", metavar="HOST:PORT", help="A running scheduler.")
+@click.option(
+    "--scheduler-policy",
+    type=click.Choice(["kv-aware", "least-requests", "round-robin"]),
+    default="kv-aware",
+    show_default=True,
+    help="Policy of the local scheduler.",
+)
+@click.option(
+    "--no-affinity",
+    is_flag=True,
+    help="Send each request of a tree under its own affinity key, not the tree's (to "
+    "measure the prefill that affinity saves).",
+)
 @click.option("--sandbox", metavar="HOST:PORT", help="A running sandbox (gRPC).")
 @click.option(
     "--max-context",
@@ -333,6 +346,8 @@ def solve(
     tool_timeout: float,
     concurrency: int,
     scheduler: str | None,
+    scheduler_policy: str,
+    no_affinity: bool,
     sandbox: str | None,
     max_context: int,
     engine_python: str,
@@ -389,6 +404,7 @@ def solve(
         ground_truth=ground_truth,
         concurrency=concurrency,
         max_context=max_context or (0 if scheduler else max_model_len),
+        affinity=not no_affinity,
     )
     tokenizer = ChatTokenizer.from_model(model_dir)
     source = PpmSource(ppm or "", ppm_endpoint, ppm_device, tokenizer_sha256(model_dir))
@@ -417,7 +433,7 @@ def solve(
         logs,
         sandbox=local_sandbox,
         engines=engines,
-        scheduler=LocalScheduler("kv-aware", poll_interval=0.2, segment_tokens=256)
+        scheduler=LocalScheduler(scheduler_policy, poll_interval=0.2, segment_tokens=256)
         if engines
         else None,
         engine_timeout=900.0,

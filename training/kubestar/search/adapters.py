@@ -78,8 +78,9 @@ class StepSampling:
 
 class SchedulerPolicy:
     """The search's `Policy` on the rollout scheduler, for one tree (see the module
-    docstring). `tree_id` is the tree's affinity key; `max_context` (0: unknown) caps a
-    step's new tokens so that the path and the step fit the engines' context, and a path
+    docstring). `tree_id` is the tree's affinity key; `affinity` False sends each request
+    under a key of its own (to measure what affinity saves). `max_context` (0: unknown) caps
+    a step's new tokens so that the path and the step fit the engines' context, and a path
     with no room left gets no proposals (its node is exhausted)."""
 
     def __init__(
@@ -90,8 +91,10 @@ class SchedulerPolicy:
         tree_id: str,
         sampling: StepSampling | None = None,
         max_context: int = 0,
+        affinity: bool = True,
     ) -> None:
         self.scheduler = scheduler
+        self.affinity = affinity
         self.step_format = step_format
         self.encode = encode
         self.tree_id = tree_id
@@ -117,9 +120,8 @@ class SchedulerPolicy:
             new_tokens = min(new_tokens, self.max_context - len(prompt))
         if new_tokens <= 0 or n <= 0:
             return []
-        response = await self.scheduler.generate(
-            self.tree_id, prompt, new_tokens, self._params(), n=n
-        )
+        key = self.tree_id if self.affinity else f"{self.tree_id}/{self.requests}"
+        response = await self.scheduler.generate(key, prompt, new_tokens, self._params(), n=n)
         self.requests += 1
         samples = completions(response)
         self.generated_tokens += sum(len(sample.token_ids) for sample in samples)
@@ -128,6 +130,8 @@ class SchedulerPolicy:
     async def end(self) -> None:
         """The tree is done: the scheduler may forget its engine. (Affinity is a hint: a
         lost call costs a stale entry, nothing else.)"""
+        if not self.affinity:
+            return
         with contextlib.suppress(grpc.RpcError):
             await self.scheduler.end_trajectory(self.tree_id)
 

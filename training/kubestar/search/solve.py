@@ -61,6 +61,7 @@ class SolveSettings:
     ground_truth: bool = False  # mcts: values from the reference answer
     concurrency: int = 4  # problems searched at once
     max_context: int = 0  # the engines' context length (0: unknown)
+    affinity: bool = True  # a tree's requests share one affinity key
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -141,6 +142,7 @@ class Solver:
             tree_id=f"solve-{self.run_id}-{problem.id}",
             sampling=self._sampling(),
             max_context=self.settings.max_context,
+            affinity=self.settings.affinity,
         )
         try:
             result = await self._search(root, policy, problem)
