@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import grpc
 from kubestar.common.errors import KubestarError
@@ -178,7 +178,7 @@ class SandboxExecutor:
         ]
         results: list[spb.ExecutionResult | None] = [None] * len(calls)
         pending = list(range(len(calls)))
-        failure: Any = None
+        failure: spb.ExecutionResult | None = None
         for attempt in range(self.max_attempts):
             if not pending:
                 break

@@ -183,14 +183,27 @@ class Solver:
 
         if s.mode == MAJORITY:
             return await majority_vote(
-                policy, executor, fmt, s.samples, s.search, root=root,
-                token_budget=s.token_budget, spent=spent,
-            )  # fmt: skip
+                policy,
+                executor,
+                fmt,
+                s.samples,
+                s.search,
+                root=root,
+                token_budget=s.token_budget,
+                spent=spent,
+            )
         assert scorer is not None
         return await best_of_n(
-            policy, executor, fmt, scorer, s.samples, s.search, root=root,
-            token_budget=s.token_budget, spent=spent,
-        )  # fmt: skip
+            policy,
+            executor,
+            fmt,
+            scorer,
+            s.samples,
+            s.search,
+            root=root,
+            token_budget=s.token_budget,
+            spent=spent,
+        )
 
     async def solve_all(
         self, problems: Sequence[Problem], on_done: Callable[[Solved], None] | None = None
