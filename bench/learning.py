@@ -21,7 +21,7 @@ last third of the steps) with GRPO-RoC / GRPO ratios, plotted per step in RUN_DI
 (comparison.md and PNGs, as `kubestar report RUN_DIR/grpo-roc RUN_DIR/grpo` writes them).
 Everything goes to RUN_DIR (default runs/learning), the summary also to --json.
 
-    .venv/bin/python bench/learning.py            # about 2 h on 2 CPU cores
+    .venv/bin/python bench/learning.py            # about 80 min on 2 CPU cores
     .venv/bin/python bench/learning.py --quick    # a smoke run of every part, ~10 min
 
 `--probe "FAMILY;FAMILY..."` trains nothing beyond SFT (or takes `--weights`): it prints the
