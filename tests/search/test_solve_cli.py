@@ -38,6 +38,10 @@ def problems_file(tmp_path: Path) -> Path:
         (["--mode", "search"], ["--mode", "search"]),
         (["--mode", "greedy", "--model", "/no/such/model"], ["--model", "/no/such/model"]),
         (["--mode", "beam", "--ppm", "/no/such/ppm"], ["--ppm", "/no/such/ppm"]),
+        (["--mode", "mcts", "--ground-truth", "--beams", "4"], ["--beams", "for beam"]),
+        (["--mode", "greedy", "--samples", "8"], ["--samples", "best-of-n, majority"]),
+        (["--mode", "majority", "--rollouts", "8"], ["--rollouts", "for mcts"]),
+        (["--mode", "beam", "--ppm", ".", "--token-budget", "9"], ["--token-budget"]),
     ],
 )
 def test_flag_mistakes_are_one_line_naming_the_flag(

@@ -26,8 +26,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
+from click.core import ParameterSource
 from kubestar.cli.options import local_services_options
-from kubestar.search.solve import MCTS_MODE, MODES, SCORED_MODES
+from kubestar.search.solve import (
+    BEAM,
+    BEST_OF_N,
+    MAJORITY,
+    MCTS_MODE,
+    MODES,
+    SCORED_MODES,
+)
 
 if TYPE_CHECKING:
     from kubestar.search.mcts import Scorer
@@ -152,6 +160,32 @@ async def run_solve(
         judge.close()
         await sandbox_client.aclose()
         sandbox_client.close()
+
+
+# The budget flags and the modes that spend them; another mode refuses them when given.
+MODE_FLAGS: dict[str, frozenset[str]] = {
+    "rollouts": frozenset({MCTS_MODE}),
+    "children": frozenset({MCTS_MODE}),
+    "exploration": frozenset({MCTS_MODE}),
+    "beams": frozenset({BEAM}),
+    "beam_samples": frozenset({BEAM}),
+    "top_k": frozenset({MCTS_MODE, BEAM}),
+    "samples": frozenset({MAJORITY, BEST_OF_N}),
+    "token_budget": frozenset({MAJORITY, BEST_OF_N}),
+}
+
+
+def _check_mode_flags(mode: str) -> None:
+    """A budget flag given on the command line that `mode` does not spend is a mistake (it
+    would change nothing): refuse it, naming it."""
+    context = click.get_current_context()
+    for name, modes in MODE_FLAGS.items():
+        if mode in modes or context.get_parameter_source(name) != ParameterSource.COMMANDLINE:
+            continue
+        flag = "--" + name.replace("_", "-")
+        raise click.BadParameter(
+            f"{mode} does not use it; it is for {', '.join(sorted(modes))}", param_hint=flag
+        )
 
 
 def _check_values(mode: str, ppm: str, ppm_endpoint: str, ground_truth: bool) -> None:
@@ -362,6 +396,7 @@ def solve(
 ) -> None:
     """Solve problems by search (mcts, beam) or a baseline (greedy, majority, best-of-n):
     accuracy, tokens generated per problem, and the trees as JSONL."""
+    _check_mode_flags(mode)
     _check_values(mode, ppm or "", ppm_endpoint, ground_truth)
     from kubestar.engine.models import resolve_model
     from kubestar.search.adapters import StepSampling
