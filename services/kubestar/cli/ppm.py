@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import random
 from pathlib import Path
 
 import click
@@ -101,7 +100,7 @@ def train_command(
     logs.configure(log_level)
     from kubestar.engine.models import resolve_model
     from kubestar.search.ppm import INFO_FILE, PpmTrainSettings, ProcessPreferenceModel, train_ppm
-    from kubestar.search.ppm_data import read_pairs
+    from kubestar.search.ppm_data import read_pairs, split_pairs
     from kubestar.training.chat import ChatTokenizer
     from tqdm import tqdm
 
@@ -112,9 +111,7 @@ def train_command(
         )
     folder = resolve_model(model)
     examples = read_pairs(pairs_file, ChatTokenizer.from_model(folder).encode)
-    random.Random(f"kubestar-ppm-split/{seed}").shuffle(examples)
-    kept = round(len(examples) * held_out) if len(examples) > 1 else 0
-    held, train = examples[:kept], examples[kept:]
+    train, held = split_pairs(examples, held_out, seed)
     settings = PpmTrainSettings(
         learning_rate=learning_rate,
         epochs=epochs,

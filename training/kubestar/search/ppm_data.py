@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kubestar.common.errors import KubestarError
 from kubestar.search.data import PpmPair
 from kubestar.search.tree import Node
 
 Encode = Callable[[str], list[int]]
+T = TypeVar("T")
 # The parts of a pair, in PpmExample's order; a pair file names them so.
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
 
@@ -153,3 +155,12 @@ def read_pairs(path: str | Path, encode: Encode) -> list[PpmExample]:
     if not examples:
         raise PairFileError(f"{source}: no pairs in the file")
     return examples
+
+
+def split_pairs(pairs: Sequence[T], fraction: float, seed: int) -> tuple[list[T], list[T]]:
+    """(training, held out): the pairs in a seeded order, the first `fraction` of them held
+    out to measure pair accuracy on (none when there is a single pair)."""
+    shuffled = list(pairs)
+    random.Random(f"kubestar-ppm-split/{seed}").shuffle(shuffled)
+    kept = round(len(shuffled) * fraction) if len(shuffled) > 1 else 0
+    return shuffled[kept:], shuffled[:kept]
