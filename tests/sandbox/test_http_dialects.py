@@ -10,12 +10,16 @@ import base64
 import importlib
 import importlib.util
 import json
+import os
+import signal
 import socket
 import sys
+import time
 import types
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +28,7 @@ import pytest
 from kubestar.common.auth import ENV_TOKEN, ENV_TOKEN_FILE
 from kubestar.common.net import free_port
 from kubestar.sandbox.limits import CallLimits, LimitPolicy
+from kubestar.sandbox.pool import MAX_ATTEMPTS
 from kubestar.sandbox.server import ServerConfig
 
 from tests.real_parts import require_modules
@@ -32,6 +37,7 @@ from tests.sandbox.support import (
     ServerProcess,
     ThreadedServer,
     executor_config,
+    pool_of,
     scratch_dir,
 )
 
@@ -71,6 +77,12 @@ def post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[in
 def get(url: str) -> tuple[int, Any]:
     with _OPENER.open(url, timeout=30) as response:
         return response.status, json.load(response)
+
+
+def http_base(threaded: ThreadedServer) -> str:
+    """The base URL of an in-process server's HTTP dialects."""
+    assert threaded.server.http is not None
+    return f"http://127.0.0.1:{threaded.server.http.port}"
 
 
 def bearer(token: str = TOKEN) -> dict[str, str]:
@@ -130,8 +142,7 @@ def quick() -> Iterator[str]:
             drain_seconds=1.0,
         )
     ).start()
-    assert threaded.server.http is not None
-    yield f"http://127.0.0.1:{threaded.server.http.port}"
+    yield http_base(threaded)
     threaded.stop()
 
 
@@ -422,6 +433,11 @@ async def test_long_batch_answers_each_submission_in_order(
             ["body", "submissions", 0, "options"],
             "object of strings",
         ),
+        (
+            {"submissions": [{"type": "python", "solution": "1", "options": {"timeout": "5"}}]},
+            ["body", "submissions", 0, "options", "timeout"],
+            "submissions[0].options.timeout is not supported: code-judge reads no options",
+        ),
         ({"submissions": ["print(1)"]}, ["body", "submissions", 0], "must be a JSON object"),
         (
             {"type": "single", "submissions": [{"type": "python", "solution": "1"}]},
@@ -489,6 +505,118 @@ async def test_a_dispatcher_serves_both_dialects(dispatcher: str) -> None:
     )["results"]
     assert [r["stdout"] for r in results] == ["0\n", "1\n", "2\n", "3\n"]
     assert post(f"{dispatcher}/run_code", {"code": "1", "language": "python"})[0] == 401
+
+
+# ---- the sandbox itself failing ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def no_worker() -> Iterator[str]:
+    """A dispatcher in this process whose only worker is away (nothing listens at its
+    address), with a 0.5 s queue timeout; its base URL."""
+    threaded = ThreadedServer(
+        ServerConfig(
+            listen="127.0.0.1:0",
+            workers=[f"127.0.0.1:{free_port()}"],
+            queue_timeout=0.5,
+            http_listen="127.0.0.1:0",
+            drain_seconds=1.0,
+        )
+    ).start()
+    yield http_base(threaded)
+    threaded.stop()
+
+
+def test_no_reachable_worker_is_an_internal_error_and_nothing_ran(no_worker: str) -> None:
+    batch = {"type": "batch", "submissions": [{"type": "python", "solution": "print(1)"}]}
+    status, answer = post(f"{no_worker}/run/long-batch", batch)
+    assert status == 200
+    (result,) = answer["results"]
+    assert result["reason"] == "internal_error"
+    assert not result["success"] and not result["run_success"]
+    assert result["stdout"] == "" and result["stderr"] == "no sandbox worker is reachable"
+    assert result["cost"] >= 0.5  # it waited the queue timeout for a worker
+
+    status, answer = post(f"{no_worker}/run_code", {"code": "print(1)", "language": "python"})
+    assert status == 200
+    assert answer["status"] == "SandboxError"
+    assert answer["message"] == "no sandbox worker is reachable"
+    assert answer["run_result"] is None  # nothing ran
+
+
+# A call that runs long enough for the test to kill the executor process running it.
+SLEEPER = "import time\ntime.sleep(2)\nprint('woke')"
+
+
+@pytest.fixture
+def one_executor() -> Iterator[ThreadedServer]:
+    """A worker in this process with one executor (the tests kill its processes)."""
+    threaded = ThreadedServer(
+        ServerConfig(
+            listen="127.0.0.1:0",
+            executors=1,
+            executor=executor_config(),
+            http_listen="127.0.0.1:0",
+            drain_seconds=1.0,
+        )
+    ).start()
+    yield threaded
+    threaded.stop()
+
+
+def lost_on_every_attempt(threaded: ThreadedServer, path: str, body: Any) -> Any:
+    """POST `body` (one call of SLEEPER) to the server while killing the executor process
+    that runs it each time the call is started on it: the sandbox loses the call on every
+    attempt. Returns the answer. (A kill can also land while the pool restarts the process
+    for the next attempt: that restart fails and the pool restarts it again, so there may be
+    more kills than attempts.)"""
+    url = http_base(threaded) + path
+    pool = pool_of(threaded)
+    (executor,) = pool.executors
+    process = executor.process_for(SLEEPER)
+    killed: list[int] = []
+    with ThreadPoolExecutor(1) as background:
+        answer = background.submit(post, url, body)
+        while not answer.done():
+            pid = process.pid
+            # in_flight counts the call from the moment it is sent to the executor.
+            if pool.in_flight and pid is not None and pid not in killed:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            time.sleep(0.02)
+        status, result = answer.result()
+    assert len(killed) >= MAX_ATTEMPTS
+    assert status == 200, result
+    return result
+
+
+def test_a_call_the_sandbox_loses_is_run_status_error(one_executor: ThreadedServer) -> None:
+    answer = lost_on_every_attempt(
+        one_executor, "/run_code", {"code": SLEEPER, "language": "python"}
+    )
+    message = f"the executor died {MAX_ATTEMPTS} times while running this call"
+    # SandboxFusion's shape for a command the sandbox failed to run to an end.
+    assert answer["status"] == "SandboxError" and answer["message"] == message
+    assert answer["run_result"] == {
+        "status": "Error",
+        "execution_time": None,
+        "return_code": None,
+        "stdout": None,
+        "stderr": message,
+    }
+    assert answer["files"] == {}
+
+    batch = {"type": "batch", "submissions": [{"type": "python", "solution": SLEEPER}]}
+    (result,) = lost_on_every_attempt(one_executor, "/run/long-batch", batch)["results"]
+    assert result["reason"] == "internal_error"
+    assert not result["success"] and not result["run_success"]
+    assert result["stdout"] == "" and result["stderr"] == message
+
+    # The executor was restarted: the next call runs.
+    status, answer = post(
+        f"{http_base(one_executor)}/run_code", {"code": "print('after')", "language": "python"}
+    )
+    assert status == 200 and answer["run_result"]["stdout"] == "after\n"
 
 
 def test_a_taken_http_address_is_one_line(log_dir: Path) -> None:

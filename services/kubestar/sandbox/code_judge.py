@@ -9,11 +9,16 @@ A batch: `{"sub_id"?, "type": "batch", "submissions": [...]}`, each submission `
 surrounding whitespace stripped), `run_success` (ran and exited 0), `cost` (seconds), `stdout`,
 `stderr` and `reason`: "" (a plain success or failure), `worker_timeout` (the time limit
 passed), `queue_timeout` (no executor free in time: ask again, as the recipe does),
-`internal_error` (the service failed) or `invalid_input` (not run: a type other than python,
-a solution or input over the sandbox's limits; `stderr` says why).
+`internal_error` (the service failed: no worker reachable, or the code's executor died on
+every attempt) or `invalid_input` (not run: a type other than python, a solution or input over
+the sandbox's limits). For these last three `stderr` says why (code-judge leaves it null
+and logs the reason).
 
-Every submission runs with the server's default limits (code-judge's are server settings
-too); `options` is accepted and not used, as code-judge does.
+Every submission runs with the sandbox server's default limits (10 s and 512 MiB), as
+code-judge runs each with its own server's (MAX_EXECUTION_TIME, MAX_MEMORY). code-judge
+declares `options` (an object of strings) but reads none of it, so nothing in it can change a
+limit: an empty or absent `options` is accepted, and a submission that sets any option is
+refused (422, naming it) rather than run as if it had not.
 """
 
 from __future__ import annotations
@@ -78,12 +83,7 @@ def new_id() -> str:
 
 def parse_submission(value: Any, loc: Loc) -> dict[str, Any]:
     body = an_object(value, loc)
-    options = body.get("options")
-    if options is not None and not (
-        isinstance(options, dict) and all(isinstance(v, str) for v in options.values())
-    ):
-        where = (*loc, "options")
-        raise FieldError(where, f"{field_name(where)} must be an object of strings", "dict_type")
+    check_options(body.get("options"), (*loc, "options"))
     return {
         "sub_id": string(body, "sub_id", loc) or new_id(),
         "type": string(body, "type", loc, required=True),
@@ -91,6 +91,23 @@ def parse_submission(value: Any, loc: Loc) -> dict[str, Any]:
         "input": string(body, "input", loc),
         "expected_output": string(body, "expected_output", loc),
     }
+
+
+def check_options(options: Any, where: Loc) -> None:
+    """`options`: absent, null or empty (see the module docstring)."""
+    if options is None:
+        return
+    if not (isinstance(options, dict) and all(isinstance(v, str) for v in options.values())):
+        raise FieldError(where, f"{field_name(where)} must be an object of strings", "dict_type")
+    if options:
+        name = next(iter(options))
+        raise FieldError(
+            (*where, name),
+            f"{field_name((*where, name))} is not supported: code-judge reads no options and "
+            "runs every submission with its server's limits, as this sandbox does (leave "
+            "options empty)",
+            "extra_forbidden",
+        )
 
 
 async def handle_batch(runner: Runner, payload: Any) -> dict[str, Any]:

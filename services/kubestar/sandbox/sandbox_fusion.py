@@ -8,11 +8,18 @@ before the code runs) and `fetch_files` (paths read back after it ran, returned 
 `files`). Python only: any other language is answered `SandboxError`, saying so.
 
 The answer's `status`: `Success` (ran and exited 0), `Failed` (the code failed: non-zero exit,
-a time limit, the memory or output limit) or `SandboxError` (not run: another language, no
-executor free in time, the service failed). `run_result` has `status` `Finished` or
-`TimeLimitExceeded`, `execution_time` (seconds), `return_code` (null after a time limit, as
-SandboxFusion gives it), `stdout` and `stderr` (strings, never null); it is null when nothing
-ran. `compile_result` is null (Python compiles nothing first).
+a time limit, the memory or output limit) or `SandboxError` (the sandbox failed, not the code).
+`run_result` has `status` `Finished` or `TimeLimitExceeded`, `execution_time` (seconds),
+`return_code` (null after a time limit, as SandboxFusion gives it), `stdout` and `stderr`
+(strings, never null); it is null when nothing ran (another language, no executor free in
+time, no worker reachable: a `SandboxError` whose `message` says which). `compile_result` is
+null (Python compiles nothing first).
+
+`run_result.status` `Error` is SandboxFusion's for a command the sandbox itself failed to run
+to an end (its process could not be started or waited for): the answer is then a
+`SandboxError` whose `message` is that run's `stderr`, and the run's other fields are null.
+Here that is a call the sandbox tried to run and lost on every attempt (its executor or worker
+died, or refused it, each time: the result counts attempts).
 """
 
 from __future__ import annotations
@@ -154,6 +161,15 @@ async def handle_run_code(runner: Runner, payload: Any) -> dict[str, Any]:
     stderr, fetched = (
         take_files(result.stderr, opening, closing, fetch_files) if wrapped else (result.stderr, {})
     )
+    if result.status == pb.EXECUTION_STATUS_INTERNAL and result.attempts > 0:
+        lost = {
+            "status": "Error",
+            "execution_time": None,
+            "return_code": None,
+            "stdout": None,
+            "stderr": result.message,
+        }
+        return response("SandboxError", result.message, lost)
     if result.status in (
         pb.EXECUTION_STATUS_QUEUE_TIMEOUT,
         pb.EXECUTION_STATUS_INTERNAL,
