@@ -7,26 +7,36 @@ dispatcher, with the installation's token, as one-line 422s for bad input."""
 from __future__ import annotations
 
 import base64
+import functools
 import importlib
+import importlib.machinery
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import sys
+import threading
 import time
 import types
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
+import yaml
+from kubestar.api.v1alpha1 import RolloutFleetSpec, SandboxPoolSpec
 from kubestar.common.auth import ENV_TOKEN, ENV_TOKEN_FILE
 from kubestar.common.net import free_port
+from kubestar.operator import build_fleet, build_sandbox
+from kubestar.operator.settings import OperatorSettings
 from kubestar.sandbox.limits import CallLimits, LimitPolicy
 from kubestar.sandbox.pool import MAX_ATTEMPTS
 from kubestar.sandbox.server import ServerConfig
@@ -146,32 +156,39 @@ def quick() -> Iterator[str]:
     threaded.stop()
 
 
-@pytest.fixture(scope="module")
-def verl() -> Iterator[types.ModuleType]:
-    """verl's SandboxFusion reward utilities (`verl.utils.reward_score.sandbox_fusion`), as
-    installed from PyPI. verl's top-level package imports its trainer stack (tensordict, a
-    torch extension built for another torch) that these utilities never use, so the three
-    packages above them are entered as bare namespaces: the utilities' own code runs
-    unchanged. sys.modules is restored afterwards."""
+def verl_root() -> Path:
+    """The folder of the installed verl package."""
     require_modules("verl")
     spec = importlib.util.find_spec("verl")
     assert spec is not None and spec.submodule_search_locations
-    root = Path(next(iter(spec.submodule_search_locations)))
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+@pytest.fixture(scope="module")
+def verl() -> Iterator[types.ModuleType]:
+    """verl's SandboxFusion reward utilities (`verl.utils.reward_score.sandbox_fusion`), as
+    installed from PyPI. verl's top-level packages `verl` and `verl.utils` import its trainer
+    stack (tensordict, a torch extension built for another torch) that the reward utilities
+    never use, so those two are entered as bare namespaces: `verl.utils.reward_score` and the
+    utilities' own code run unchanged. sys.modules is restored afterwards."""
+    root = verl_root()
     saved = {name: module for name, module in sys.modules.items() if name.startswith("verl")}
-    for name, path in (
-        ("verl", root),
-        ("verl.utils", root / "utils"),
-        ("verl.utils.reward_score", root / "utils" / "reward_score"),
-    ):
-        package = types.ModuleType(name)
-        package.__path__ = [str(path)]
-        sys.modules[name] = package
+    for name, path in (("verl", root), ("verl.utils", root / "utils")):
+        spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        spec.submodule_search_locations = [str(path)]
+        sys.modules[name] = importlib.util.module_from_spec(spec)
     try:
         yield importlib.import_module("verl.utils.reward_score.sandbox_fusion")
     finally:
         for name in [name for name in sys.modules if name.startswith("verl")]:
             del sys.modules[name]
         sys.modules.update(saved)
+
+
+@pytest.fixture(scope="module")
+def verl_reward(verl: types.ModuleType) -> types.ModuleType:
+    """verl's `verl.utils.reward_score` (its `default_compute_score`), loaded by `verl`."""
+    return sys.modules["verl.utils.reward_score"]
 
 
 # ---- SandboxFusion, through verl's own client ------------------------------------------------
@@ -505,6 +522,137 @@ async def test_a_dispatcher_serves_both_dialects(dispatcher: str) -> None:
     )["results"]
     assert [r["stdout"] for r in results] == ["0\n", "1\n", "2\n", "3\n"]
     assert post(f"{dispatcher}/run_code", {"code": "1", "language": "python"})[0] == 401
+
+
+# ---- docs/verl.md, as written -------------------------------------------------------------
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "verl.md"
+# A solution that needs more than the sandbox's default 512 MiB and less than the 1,024 MiB
+# of verl's memory_limit_mb (bytes() of that size is allocated, not written).
+BIG_ADDER = "block = bytes(640 * 1024 * 1024)\na, b = map(int, input().split())\nprint(a + b)"
+
+
+@dataclass(frozen=True)
+class VerlDoc:
+    """What docs/verl.md tells users to set, read from the page."""
+
+    pool: dict[str, Any]  # the SandboxPool it shows
+    pool_endpoint: str  # that pool's status.httpEndpoint, as the page gives it
+    fleet: dict[str, Any]  # the RolloutFleet it shows
+    fleet_endpoint: str  # that fleet's status.openaiEndpoint
+    verl_settings: dict[str, str]  # verl's reward.sandbox_fusion.* overrides
+    host_addr: str  # the recipe's code-judge host_addr
+
+
+def verl_doc() -> VerlDoc:
+    text = DOC.read_text()
+    shown = [yaml.safe_load(block) for block in re.findall(r"```yaml\n(.*?)```", text, re.S)]
+    objects = {item["kind"]: item for item in shown}
+    (pool_endpoint,) = re.findall(r"status\.httpEndpoint: (\S+)", text)
+    (fleet_endpoint,) = re.findall(r"status\.openaiEndpoint: (\S+)", text)
+    (host_addr,) = re.findall(r'`host_addr: "([^"]+)"`', text)
+    return VerlDoc(
+        pool=objects["SandboxPool"],
+        pool_endpoint=pool_endpoint,
+        fleet=objects["RolloutFleet"],
+        fleet_endpoint=fleet_endpoint,
+        verl_settings=dict(re.findall(r"(reward\.sandbox_fusion\.\w+)=(\S+)", text)),
+        host_addr=host_addr,
+    )
+
+
+def host_of(url: str) -> str:
+    """A URL's host as written (urlsplit's `hostname` is lowercased)."""
+    return urlsplit(url).netloc.rpartition("@")[2].rpartition(":")[0]
+
+
+def test_verl_md_names_the_endpoints_the_operator_gives() -> None:
+    doc = verl_doc()
+    settings = OperatorSettings()
+    name = doc.pool["metadata"]["name"]
+    pool = SandboxPoolSpec.model_validate(doc.pool["spec"])
+    endpoint = build_sandbox.http_endpoint(name, "NAMESPACE", pool, settings)
+    assert doc.pool_endpoint == endpoint
+    # verl's URL and the recipe's host: that endpoint, the token as the URL's password.
+    assert set(doc.verl_settings) == {
+        "reward.sandbox_fusion.url",
+        "reward.sandbox_fusion.max_concurrent",
+        "reward.sandbox_fusion.memory_limit_mb",
+    }
+    assert doc.verl_settings["reward.sandbox_fusion.url"] == with_token(
+        f"{endpoint}/run_code", "$TOKEN"
+    )
+    assert doc.host_addr == f"kubestar:TOKEN@{host_of(endpoint)}"
+    assert urlsplit(endpoint).port == pool.http_port
+
+    fleet = RolloutFleetSpec.model_validate(doc.fleet["spec"])
+    metadata = {**doc.fleet["metadata"], "namespace": "NAMESPACE", "uid": "uid"}
+    assert doc.fleet_endpoint == build_fleet.openai_endpoint(
+        metadata["name"], "NAMESPACE", fleet, settings
+    )
+    # "The model's name is the fleet's spec.model.name": what the scheduler serves it as.
+    scheduler = build_fleet.scheduler_deployment(
+        {**doc.fleet, "metadata": metadata}, fleet, settings
+    )
+    command = scheduler["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--served-model-name") + 1] == fleet.model.name
+
+
+def test_verl_md_settings_are_verls_own() -> None:
+    """The keys the page tells verl users to set are in verl's own trainer config."""
+    config_path = verl_root() / "trainer" / "config" / "_generated_ppo_trainer.yaml"
+    config = yaml.safe_load(config_path.read_text())
+    for key in verl_doc().verl_settings:
+        node = config
+        for part in key.split("."):
+            assert isinstance(node, dict) and part in node, f"{key} is not in verl's config"
+            node = node[part]
+
+
+def here(url: str, base: str) -> str:
+    """A URL of the page, sent to a test server (`base`) with the test's token."""
+    parts = urlsplit(url)
+    credentials = parts.netloc.rpartition("@")[0].replace("$TOKEN", TOKEN)
+    return parts._replace(netloc=f"{credentials}@{urlsplit(base).netloc}").geturl()
+
+
+async def test_verl_md_settings_work_as_verl_and_the_recipe_use_them(
+    worker: tuple[ServerProcess, str], verl_reward: types.ModuleType
+) -> None:
+    doc = verl_doc()
+    settings = doc.verl_settings
+    # verl's reward, built from the settings as verl's reward loader builds it
+    # (verl.trainer.ppo.reward: the URL, a semaphore of max_concurrent, memory_limit_mb).
+    reward = functools.partial(
+        verl_reward.default_compute_score,
+        sandbox_fusion_url=here(settings["reward.sandbox_fusion.url"], worker[1]),
+        concurrent_semaphore=threading.Semaphore(
+            int(settings["reward.sandbox_fusion.max_concurrent"])
+        ),
+        memory_limit_mb=int(settings["reward.sandbox_fusion.memory_limit_mb"]),
+    )
+    cases = json.dumps({"inputs": ["1 2\n", "20 22\n"], "outputs": ["3", "42"]})
+    # A code dataset's solution, scored on its test cases: memory_limit_mb reached the sandbox.
+    assert reward("codecontests", f"```python\n{BIG_ADDER}\n```", cases) == 1.0
+    assert reward("codecontests", "```python\nprint(0)\n```", cases) == 0.0
+
+    # The recipe's code-judge tool: its URL built from host_addr and host_port as the recipe
+    # builds it; its submissions run with the sandbox's default limits, as the page says.
+    host_addr = doc.host_addr.replace(host_of(doc.pool_endpoint), "127.0.0.1")
+    host_addr = host_addr.replace("TOKEN", TOKEN)
+    host_port = urlsplit(worker[1]).port
+    small = "a, b = map(int, input().split())\nprint(a + b)"
+    big, fits = (
+        await long_batch(
+            f"http://{host_addr}:{host_port}/run/long-batch",
+            [
+                {"type": "python", "solution": BIG_ADDER, "input": "20 22"},
+                {"type": "python", "solution": small, "input": "20 22"},
+            ],
+        )
+    )["results"]
+    assert not big["run_success"] and "MemoryError" in big["stderr"]
+    assert fits["run_success"] and fits["stdout"] == "42\n"
 
 
 # ---- the sandbox itself failing ---------------------------------------------------------
