@@ -16,6 +16,7 @@ from kubestar.search.solve import (
     GREEDY,
     MAJORITY,
     MCTS_MODE,
+    PPM_VOTE,
     Solved,
     Solver,
     SolveSettings,
@@ -95,6 +96,15 @@ async def test_best_of_n_takes_the_scorers_favourite() -> None:
     assert (fooled.answer, fooled.correct) == ("41", False)
 
 
+async def test_ppm_vote_weighs_the_chains_by_the_scorer() -> None:
+    weighted = await solve(PPM_VOTE, AnswerScorer(), samples=3)
+    assert (weighted.answer, weighted.correct) == ("42", True)
+    assert sorted(node.value or 0.0 for node in weighted.root.walk() if node.answer) == [-1, 1, 1]
+    # Values the two chains to 42 at -1 (weight 0) and the one to 41 at +1 (weight 1).
+    fooled = await solve(PPM_VOTE, AnswerScorer(sign=-1.0), samples=3)
+    assert (fooled.answer, fooled.correct) == ("41", False)
+
+
 async def test_mcts_and_beam_find_the_correct_answer() -> None:
     truth = await solve(MCTS_MODE, ground_truth=True)
     assert (truth.answer, truth.correct) == ("42", True)
@@ -106,6 +116,8 @@ async def test_mcts_and_beam_find_the_correct_answer() -> None:
 
 
 def test_modes_that_need_values_refuse_to_run_without_them() -> None:
+    with pytest.raises(ValueError, match="ppm-vote needs a scorer"):
+        Solver(object(), FakeSandbox(), RStarFormat(), encode, SolveSettings(PPM_VOTE), judge)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="beam needs a scorer"):
         Solver(object(), FakeSandbox(), RStarFormat(), encode, SolveSettings(BEAM), judge)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="for mcts"):

@@ -29,6 +29,8 @@ def problems_file(tmp_path: Path) -> Path:
     [
         (["--mode", "beam"], ["--ppm", "beam needs a process preference model"]),
         (["--mode", "best-of-n"], ["--ppm", "--ppm-endpoint"]),
+        (["--mode", "ppm-vote"], ["--ppm", "ppm-vote needs a process preference model"]),
+        (["--mode", "ppm-vote", "--ppm", ".", "--children", "4"], ["--children", "for mcts"]),
         (["--mode", "mcts"], ["--ppm", "--ground-truth"]),
         (["--mode", "majority", "--ground-truth"], ["--ground-truth", "for mcts"]),
         (["--mode", "mcts", "--ground-truth", "--ppm-endpoint", "x:1"], ["--ground-truth"]),
@@ -39,7 +41,7 @@ def problems_file(tmp_path: Path) -> Path:
         (["--mode", "greedy", "--model", "/no/such/model"], ["--model", "/no/such/model"]),
         (["--mode", "beam", "--ppm", "/no/such/ppm"], ["--ppm", "/no/such/ppm"]),
         (["--mode", "mcts", "--ground-truth", "--beams", "4"], ["--beams", "for beam"]),
-        (["--mode", "greedy", "--samples", "8"], ["--samples", "best-of-n, majority"]),
+        (["--mode", "greedy", "--samples", "8"], ["--samples", "best-of-n, majority, ppm-vote"]),
         (["--mode", "majority", "--rollouts", "8"], ["--rollouts", "for mcts"]),
         (["--mode", "beam", "--ppm", ".", "--token-budget", "9"], ["--token-budget"]),
     ],

@@ -1,7 +1,7 @@
 """`kubestar solve`: solve a problem set by test-time search (rStar-Math's MCTS or beam
 search, guided by a process preference model) or by a baseline at the same generated-token
-budget (greedy, majority vote, best-of-N by the PPM), on the rollout scheduler and the
-sandbox.
+budget (greedy, majority vote, best-of-N by the PPM, a vote weighted by the PPM), on the
+rollout scheduler and the sandbox.
 
 Problems come from a .jsonl file (`question`, `answer`) or a reasoning-gym generator, as in
 `kubestar eval`. With --scheduler and --sandbox it uses running services; without them it
@@ -19,11 +19,11 @@ import asyncio
 import json
 import sys
 import tempfile
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from click.core import ParameterSource
@@ -34,17 +34,19 @@ from kubestar.search.solve import (
     MAJORITY,
     MCTS_MODE,
     MODES,
+    PPM_VOTE,
     SCORED_MODES,
 )
 
 if TYPE_CHECKING:
     from kubestar.search.mcts import Scorer
     from kubestar.search.ppm_data import Encode
-    from kubestar.search.solve import Solved, SolveSettings
+    from kubestar.search.solve import Solved, SolverStack, SolveSettings
     from kubestar.search.steps import StepFormat
     from kubestar.training.datasets import Problem
 
 FORMATS = ("tool-call", "rstar")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def step_format(name: str) -> StepFormat:
@@ -95,6 +97,48 @@ async def ppm_scorer(source: PpmSource, encode: Encode) -> AsyncIterator[Scorer 
             await server.stop(grace_seconds=1.0)
 
 
+@asynccontextmanager
+async def solver_stack(
+    *,
+    scheduler: str,
+    sandbox: str,
+    encode: Encode,
+    format_name: str,
+    ppm: PpmSource,
+    tool_timeout: float,
+) -> AsyncIterator[SolverStack]:
+    """Clients of the running scheduler and sandbox, the judge and the PPM, as the stack
+    every Solver of a command shares; closed when the block ends."""
+    from kubestar.common.net import check_grpc_serving
+    from kubestar.sandbox.client import SandboxClient
+    from kubestar.scheduler.client import SchedulerClient
+    from kubestar.search.adapters import SandboxExecutor
+    from kubestar.search.solve import SolverStack
+    from kubestar.training.rewards import RewardScorer
+
+    await check_grpc_serving(scheduler, "--scheduler")
+    await check_grpc_serving(sandbox, "--sandbox")
+    judge = RewardScorer(workers=2)
+    sandbox_client = SandboxClient(sandbox, timeout=max(60.0, 10 * tool_timeout))
+    try:
+        async with (
+            SchedulerClient(scheduler, timeout=900.0) as scheduler_client,
+            ppm_scorer(ppm, encode) as scorer,
+        ):
+            yield SolverStack(
+                scheduler_client,
+                SandboxExecutor(sandbox_client, timeout_seconds=tool_timeout),
+                step_format(format_name),
+                encode,
+                judge.score,
+                scorer,
+            )
+    finally:
+        judge.close()
+        await sandbox_client.aclose()
+        sandbox_client.close()
+
+
 async def run_solve(
     *,
     problems: list[Problem],
@@ -108,18 +152,8 @@ async def run_solve(
     progress: bool,
 ) -> list[Solved]:
     """Solve every problem against the services (see the module docstring)."""
-    from kubestar.common.net import check_grpc_serving
-    from kubestar.sandbox.client import SandboxClient
-    from kubestar.scheduler.client import SchedulerClient
-    from kubestar.search.adapters import SandboxExecutor
-    from kubestar.search.solve import Solver
-    from kubestar.training.rewards import RewardScorer
     from tqdm import tqdm
 
-    await check_grpc_serving(scheduler, "--scheduler")
-    await check_grpc_serving(sandbox, "--sandbox")
-    judge = RewardScorer(workers=2)
-    sandbox_client = SandboxClient(sandbox, timeout=max(60.0, 10 * tool_timeout))
     bar = tqdm(
         total=len(problems),
         unit="problem",
@@ -141,25 +175,17 @@ async def run_solve(
         bar.update(1)
 
     try:
-        async with (
-            SchedulerClient(scheduler, timeout=900.0) as scheduler_client,
-            ppm_scorer(ppm, encode) as scorer,
-        ):
-            solver = Solver(
-                scheduler_client,
-                SandboxExecutor(sandbox_client, timeout_seconds=tool_timeout),
-                step_format(format_name),
-                encode,
-                settings,
-                judge.score,
-                scorer,
-            )
-            return await solver.solve_all(problems, on_done=done)
+        async with solver_stack(
+            scheduler=scheduler,
+            sandbox=sandbox,
+            encode=encode,
+            format_name=format_name,
+            ppm=ppm,
+            tool_timeout=tool_timeout,
+        ) as stack:
+            return await stack.solver(settings).solve_all(problems, on_done=done)
     finally:
         bar.close()
-        judge.close()
-        await sandbox_client.aclose()
-        sandbox_client.close()
 
 
 # The budget flags and the modes that spend them; another mode refuses them when given.
@@ -170,8 +196,8 @@ MODE_FLAGS: dict[str, frozenset[str]] = {
     "beams": frozenset({BEAM}),
     "beam_samples": frozenset({BEAM}),
     "top_k": frozenset({MCTS_MODE, BEAM}),
-    "samples": frozenset({MAJORITY, BEST_OF_N}),
-    "token_budget": frozenset({MAJORITY, BEST_OF_N}),
+    "samples": frozenset({MAJORITY, BEST_OF_N, PPM_VOTE}),
+    "token_budget": frozenset({MAJORITY, BEST_OF_N, PPM_VOTE}),
 }
 
 
@@ -216,6 +242,176 @@ def _check_values(mode: str, ppm: str, ppm_endpoint: str, ground_truth: bool) ->
         )
 
 
+def search_options(function: F) -> F:
+    """The options of every command that searches (`kubestar solve`, `kubestar eval
+    --search`): the step format, the PPM, the tree's shape and terminal rules, the step
+    length, how many problems at once, and the scheduler (running or local)."""
+    options = [
+        click.option(
+            "--format",
+            "format_name",
+            type=click.Choice(FORMATS),
+            default="tool-call",
+            show_default=True,
+            help="Steps as `<tool_call>` turns (policies trained by the agent loop) or in "
+            "rStar's format (`<code>`, `<end_of_step>`).",
+        ),
+        click.option("--ppm", type=click.Path(exists=True, file_okay=False), help="A PPM folder."),
+        click.option("--ppm-endpoint", default="", metavar="HOST:PORT", help="A scoring service."),
+        click.option("--ppm-device", default="auto", show_default=True, help="Device of --ppm."),
+        click.option(
+            "--children",
+            type=click.IntRange(min=1),
+            default=16,
+            show_default=True,
+            help="mcts: steps sampled per expansion (one request of n samples).",
+        ),
+        click.option(
+            "--beam-samples",
+            type=click.IntRange(min=1),
+            default=8,
+            show_default=True,
+            help="B2: steps sampled per beam.",
+        ),
+        click.option("--max-depth", type=click.IntRange(min=1), default=16, show_default=True),
+        click.option(
+            "--max-code-errors",
+            type=click.IntRange(min=1),
+            default=1,
+            show_default=True,
+            help="Failed code steps in a row that end a branch.",
+        ),
+        click.option(
+            "--exploration",
+            type=click.FloatRange(min=0),
+            default=2.0,
+            show_default=True,
+            help="c of the MCTS selection score Q + c * sqrt(ln N_parent / N).",
+        ),
+        click.option(
+            "--top-k",
+            type=click.IntRange(min=1),
+            default=4,
+            show_default=True,
+            help="mcts, beam: the answer is voted over this many top-scored answers.",
+        ),
+        click.option(
+            "--max-step-tokens", type=click.IntRange(min=1), default=512, show_default=True
+        ),
+        click.option(
+            "--concurrency",
+            type=click.IntRange(min=1),
+            default=4,
+            show_default=True,
+            help="Problems searched at once.",
+        ),
+        click.option("--scheduler", "scheduler", metavar="HOST:PORT", help="A running scheduler."),
+        click.option(
+            "--scheduler-policy",
+            type=click.Choice(["kv-aware", "least-requests", "round-robin"]),
+            default="kv-aware",
+            show_default=True,
+            help="Policy of the local scheduler.",
+        ),
+        click.option(
+            "--no-affinity",
+            is_flag=True,
+            help="Send each request of a tree under its own affinity key, not the tree's (to "
+            "measure the prefill that affinity saves).",
+        ),
+        click.option(
+            "--max-context",
+            type=click.IntRange(min=0),
+            default=0,
+            help="The engines' context length (default: a local engine's; with --scheduler "
+            "unknown: a path that outgrows it is refused by the scheduler).",
+        ),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function
+
+
+@dataclass(frozen=True)
+class SearchServices:
+    """Where a search's services are: the scheduler and the sandbox, and the URLs of the
+    engines the command started (none when it was given a running scheduler)."""
+
+    scheduler: str
+    sandbox: str
+    engine_urls: tuple[str, ...] = ()
+
+
+@contextmanager
+def search_services(
+    *,
+    model_dir: Path,
+    scheduler: str | None,
+    sandbox: str | None,
+    scheduler_policy: str,
+    max_model_len: int,
+    device: str,
+    engine_python: str,
+    sandbox_executors: int,
+    sandbox_preload: str,
+    log_dir: str,
+    progress: bool,
+    engines: int = 1,
+    command: str = "solve",
+) -> Iterator[SearchServices]:
+    """The services given, and the others started as local processes on 127.0.0.1 for as
+    long as the block runs: without a scheduler, `engines` vLLM engines on `model_dir` (on a
+    GPU they share it, each taking its part of the memory) with a scheduler in front;
+    without a sandbox, a sandbox server. A service that does not come up is a
+    ClickException ending with its log."""
+    from kubestar.common.net import free_port
+    from kubestar.engine.launch import EngineSettings
+    from kubestar.training.local import LocalSandbox, LocalScheduler, LocalStack, ServiceFailed
+
+    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"kubestar-{command}-"))
+    local_engines = []
+    if not scheduler:
+        local_engines = [
+            EngineSettings(
+                model=str(model_dir),
+                port=free_port(),
+                max_model_len=max_model_len,
+                device=device,
+                python=engine_python,
+                gpu_memory_utilization=round(0.9 / engines, 2),
+            )
+            for _ in range(engines)
+        ]
+    local_sandbox = None
+    if not sandbox:
+        preload = tuple(name for name in sandbox_preload.split(",") if name)
+        local_sandbox = LocalSandbox(sandbox_executors, preload, log_level="warning")
+    stack = LocalStack(
+        logs,
+        sandbox=local_sandbox,
+        engines=local_engines,
+        scheduler=LocalScheduler(scheduler_policy, poll_interval=0.2, segment_tokens=256)
+        if local_engines
+        else None,
+        engine_timeout=900.0,
+        sandbox_timeout=300.0,
+    )
+    if progress and (local_engines or local_sandbox):
+        click.echo(f"starting local services (logs in {logs})", err=True)
+    try:
+        try:
+            started = stack.start()
+        except ServiceFailed as exc:
+            raise click.ClickException(str(exc)) from exc
+        yield SearchServices(
+            scheduler=scheduler or started.scheduler,
+            sandbox=sandbox or started.sandbox,
+            engine_urls=tuple(engine.url for engine in stack.engines),
+        )
+    finally:
+        stack.stop()
+
+
 @click.command("solve")
 @click.option("--mode", type=click.Choice(MODES), required=True, help="Search or baseline.")
 @click.option(
@@ -233,110 +429,35 @@ def _check_values(mode: str, ppm: str, ppm_endpoint: str, ground_truth: bool) ->
     help="The policy: a model folder or a name kubestar resolves; served by a local engine, "
     "or, with --scheduler, only its tokenizer is used (it must be the fleet's).",
 )
-@click.option(
-    "--format",
-    "format_name",
-    type=click.Choice(FORMATS),
-    default="tool-call",
-    show_default=True,
-    help="Steps as `<tool_call>` turns (policies trained by the agent loop) or in rStar's "
-    "format (`<code>`, `<end_of_step>`).",
-)
-@click.option("--ppm", type=click.Path(exists=True, file_okay=False), help="A PPM folder.")
-@click.option("--ppm-endpoint", default="", metavar="HOST:PORT", help="A scoring service.")
-@click.option("--ppm-device", default="auto", show_default=True, help="Device of --ppm.")
+@search_options
 @click.option(
     "--ground-truth",
     is_flag=True,
     help="mcts: value answers by the reference answers (to make training data).",
 )
 @click.option("--rollouts", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option(
-    "--children",
-    type=click.IntRange(min=1),
-    default=16,
-    show_default=True,
-    help="mcts: steps sampled per expansion (one request of n samples).",
-)
 @click.option("--beams", type=click.IntRange(min=1), default=8, show_default=True, help="B1.")
-@click.option(
-    "--beam-samples",
-    type=click.IntRange(min=1),
-    default=8,
-    show_default=True,
-    help="B2: steps sampled per beam.",
-)
 @click.option(
     "--samples",
     type=click.IntRange(min=1),
     default=8,
     show_default=True,
-    help="majority, best-of-n: solutions sampled per problem (per wave with --token-budget).",
+    help="majority, best-of-n, ppm-vote: solutions sampled per problem (the first wave with "
+    "--token-budget).",
 )
 @click.option(
     "--token-budget",
     type=click.IntRange(min=0),
     default=0,
     show_default=True,
-    help="majority, best-of-n: draw waves of --samples solutions until this many tokens "
-    "were generated for the problem (0: one wave).",
-)
-@click.option("--max-depth", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option(
-    "--max-code-errors",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Failed code steps in a row that end a branch.",
-)
-@click.option(
-    "--exploration",
-    type=click.FloatRange(min=0),
-    default=2.0,
-    show_default=True,
-    help="c of the MCTS selection score Q + c * sqrt(ln N_parent / N).",
-)
-@click.option(
-    "--top-k",
-    type=click.IntRange(min=1),
-    default=4,
-    show_default=True,
-    help="mcts, beam: the answer is voted over this many top-scored answers.",
+    help="majority, best-of-n, ppm-vote: draw waves of up to --samples solutions until this "
+    "many tokens were generated for the problem (0: one wave).",
 )
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.7, show_default=True)
 @click.option("--top-p", type=click.FloatRange(min=0, max=1), default=0.95, show_default=True)
-@click.option("--max-step-tokens", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--sampling-seed", default=0, help="Seed of sampling (0: unseeded).")
 @click.option("--tool-timeout", default=10.0, show_default=True, help="Seconds per program.")
-@click.option(
-    "--concurrency",
-    type=click.IntRange(min=1),
-    default=4,
-    show_default=True,
-    help="Problems searched at once.",
-)
-@click.option("--scheduler", "scheduler", metavar="HOST:PORT", help="A running scheduler.")
-@click.option(
-    "--scheduler-policy",
-    type=click.Choice(["kv-aware", "least-requests", "round-robin"]),
-    default="kv-aware",
-    show_default=True,
-    help="Policy of the local scheduler.",
-)
-@click.option(
-    "--no-affinity",
-    is_flag=True,
-    help="Send each request of a tree under its own affinity key, not the tree's (to "
-    "measure the prefill that affinity saves).",
-)
 @click.option("--sandbox", metavar="HOST:PORT", help="A running sandbox (gRPC).")
-@click.option(
-    "--max-context",
-    type=click.IntRange(min=0),
-    default=0,
-    help="The engines' context length (default: a local engine's; with --scheduler unknown: "
-    "a path that outgrows it is refused by the scheduler).",
-)
 @click.option(
     "--max-model-len",
     type=click.IntRange(min=256),
@@ -394,8 +515,8 @@ def solve(
     as_json: bool,
     no_progress: bool,
 ) -> None:
-    """Solve problems by search (mcts, beam) or a baseline (greedy, majority, best-of-n):
-    accuracy, tokens generated per problem, and the trees as JSONL."""
+    """Solve problems by search (mcts, beam) or a baseline (greedy, majority, best-of-n,
+    ppm-vote): accuracy, tokens generated per problem, and the trees as JSONL."""
     _check_mode_flags(mode)
     _check_values(mode, ppm or "", ppm_endpoint, ground_truth)
     from kubestar.engine.models import resolve_model
@@ -444,55 +565,32 @@ def solve(
     tokenizer = ChatTokenizer.from_model(model_dir)
     source = PpmSource(ppm or "", ppm_endpoint, ppm_device, tokenizer_sha256(model_dir))
 
-    from kubestar.common.net import free_port
-    from kubestar.engine.launch import EngineSettings
-    from kubestar.training.local import LocalSandbox, LocalScheduler, LocalStack, ServiceFailed
-
-    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="kubestar-solve-"))
-    engines = []
-    if not scheduler:
-        engines.append(
-            EngineSettings(
-                model=str(model_dir),
-                port=free_port(),
-                max_model_len=max_model_len,
-                device=device,
-                python=engine_python,
+    with search_services(
+        model_dir=model_dir,
+        scheduler=scheduler,
+        sandbox=sandbox,
+        scheduler_policy=scheduler_policy,
+        max_model_len=max_model_len,
+        device=device,
+        engine_python=engine_python,
+        sandbox_executors=sandbox_executors,
+        sandbox_preload=sandbox_preload,
+        log_dir=log_dir,
+        progress=not no_progress,
+    ) as services:
+        solved = asyncio.run(
+            run_solve(
+                problems=problems,
+                settings=settings,
+                scheduler=services.scheduler,
+                sandbox=services.sandbox,
+                encode=tokenizer.encode,
+                format_name=format_name,
+                ppm=source,
+                tool_timeout=tool_timeout,
+                progress=not no_progress,
             )
         )
-    local_sandbox = None
-    if not sandbox:
-        preload = tuple(name for name in sandbox_preload.split(",") if name)
-        local_sandbox = LocalSandbox(sandbox_executors, preload, log_level="warning")
-    stack = LocalStack(
-        logs,
-        sandbox=local_sandbox,
-        engines=engines,
-        scheduler=LocalScheduler(scheduler_policy, poll_interval=0.2, segment_tokens=256)
-        if engines
-        else None,
-        engine_timeout=900.0,
-        sandbox_timeout=300.0,
-    )
-    if not no_progress and (engines or local_sandbox):
-        click.echo(f"starting local services (logs in {logs})", err=True)
-    try:
-        with stack.running() as started:
-            solved = asyncio.run(
-                run_solve(
-                    problems=problems,
-                    settings=settings,
-                    scheduler=scheduler or started.scheduler,
-                    sandbox=sandbox or started.sandbox,
-                    encode=tokenizer.encode,
-                    format_name=format_name,
-                    ppm=source,
-                    tool_timeout=tool_timeout,
-                    progress=not no_progress,
-                )
-            )
-    except ServiceFailed as exc:
-        raise click.ClickException(str(exc)) from exc
     figures: dict[str, Any] = {"mode": mode, **summary(solved)}
     if output:
         write_trees(output, solved)

@@ -4,7 +4,14 @@ measured against, and the SFT traces and PPM preference pairs built from finishe
 search on kubestar's services (scheduler, sandbox): `kubestar.search.adapters` and
 `kubestar.search.solve`."""
 
-from kubestar.search.baselines import best_of_n, greedy, majority_vote, sample_chains
+from kubestar.search.baselines import (
+    best_of_n,
+    greedy,
+    majority_vote,
+    ppm_vote,
+    sample_chains,
+    weighted_vote,
+)
 from kubestar.search.data import PpmPair, SftTrace, edit_distance, ppm_pairs, sft_traces
 from kubestar.search.mcts import (
     MCTS,
@@ -67,6 +74,7 @@ __all__ = [
     "majority_vote",
     "node_records",
     "ppm_pairs",
+    "ppm_vote",
     "replay",
     "sample_chains",
     "select",
@@ -75,4 +83,5 @@ __all__ = [
     "sft_traces",
     "tree_from_records",
     "vote",
+    "weighted_vote",
 ]

@@ -11,11 +11,12 @@ mode's driver:
 * `beam`: step-level beam search ranked by the PPM;
 * `greedy`: one chain at temperature 0;
 * `majority`: a vote over `samples` chains;
-* `best-of-n`: the PPM's favourite of `samples` chains.
+* `best-of-n`: the PPM's favourite of `samples` chains;
+* `ppm-vote`: a vote over `samples` chains, each weighted by its PPM value.
 
 Every mode counts the tokens its policy generated for the problem (samples dropped as
 duplicates included): search and baselines are compared at the same generated-token budget,
-and `token_budget` makes majority and best-of-n draw chains until they spent it.
+and `token_budget` makes majority, best-of-n and ppm-vote draw chains until they spent it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kubestar.search.adapters import Generate, SchedulerPolicy, StepSampling
-from kubestar.search.baselines import best_of_n, greedy, majority_vote
+from kubestar.search.baselines import best_of_n, greedy, majority_vote, ppm_vote
 from kubestar.search.mcts import MCTS, Executor, GroundTruth, Scorer, SearchResult, beam_search
 from kubestar.search.ppm_data import Encode
 from kubestar.search.steps import StepFormat
@@ -43,9 +44,12 @@ BEAM = "beam"
 GREEDY = "greedy"
 MAJORITY = "majority"
 BEST_OF_N = "best-of-n"
-MODES = (MCTS_MODE, BEAM, GREEDY, MAJORITY, BEST_OF_N)
+PPM_VOTE = "ppm-vote"
+MODES = (MCTS_MODE, BEAM, GREEDY, MAJORITY, BEST_OF_N, PPM_VOTE)
 # The modes that need values: the PPM (MCTS may take the reference answer instead).
-SCORED_MODES = frozenset({MCTS_MODE, BEAM, BEST_OF_N})
+SCORED_MODES = frozenset({MCTS_MODE, BEAM, BEST_OF_N, PPM_VOTE})
+# The modes that sample whole chains, `samples` at a time, up to `token_budget`.
+CHAIN_MODES = frozenset({MAJORITY, BEST_OF_N, PPM_VOTE})
 
 # (answer, reference) -> reward, 1.0 when the answer is right (RewardScorer.score).
 Judge = Callable[[str | None, str], Awaitable[float]]
@@ -56,8 +60,8 @@ class SolveSettings:
     mode: str
     search: SearchSettings = field(default_factory=SearchSettings)
     sampling: StepSampling = field(default_factory=StepSampling)
-    samples: int = 8  # majority and best-of-n: chains (per wave with a token budget)
-    token_budget: int = 0  # majority and best-of-n: generated tokens per problem (0: one wave)
+    samples: int = 8  # majority, best-of-n, ppm-vote: chains (per wave with a token budget)
+    token_budget: int = 0  # the same: generated tokens per problem (0: one wave)
     ground_truth: bool = False  # mcts: values from the reference answer
     concurrency: int = 4  # problems searched at once
     max_context: int = 0  # the engines' context length (0: unknown)
@@ -99,6 +103,31 @@ class Solved:
             "seconds": round(self.seconds, 3),
             "nodes": node_records(self.root),
         }
+
+
+@dataclass(frozen=True)
+class SolverStack:
+    """What every Solver of one set of services shares: the scheduler, the executor, the step
+    format and the policy's tokenizer, the judge and the PPM (None without one). Several
+    modes and budgets are solved on one stack (`kubestar.search.sweep`)."""
+
+    scheduler: Generate
+    executor: Executor
+    step_format: StepFormat
+    encode: Encode
+    judge: Judge
+    scorer: Scorer | None = None
+
+    def solver(self, settings: SolveSettings) -> Solver:
+        return Solver(
+            self.scheduler,
+            self.executor,
+            self.step_format,
+            self.encode,
+            settings,
+            self.judge,
+            self.scorer,
+        )
 
 
 class Solver:
@@ -193,6 +222,18 @@ class Solver:
                 spent=spent,
             )
         assert scorer is not None
+        if s.mode == PPM_VOTE:
+            return await ppm_vote(
+                policy,
+                executor,
+                fmt,
+                scorer,
+                s.samples,
+                s.search,
+                root=root,
+                token_budget=s.token_budget,
+                spent=spent,
+            )
         return await best_of_n(
             policy,
             executor,
