@@ -39,11 +39,9 @@ import json
 import logging
 import math
 import os
-import random
 import shutil
 import sys
 import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +53,7 @@ from kubestar.api.v1alpha1 import (
     TrainingRun,
     parse_resource,
 )
+from kubestar.common.stats import difference_text, interval_text, mean
 from kubestar.engine.models import resolve_model
 from kubestar.training.datasets import Problem, load_problems
 from kubestar.training.endpoints import Endpoints
@@ -273,35 +272,6 @@ def judge(
         scores["sampled"] = [sum(sampled_by.get(i, [0.0])) / k for i in ids]
         scores[f"pass@{k}"] = [float(max(sampled_by.get(i, [0.0])) > 0) for i in ids]
     return scores
-
-
-def mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
-
-
-def bootstrap_interval(
-    statistic: Callable[[list[int]], float], n: int, rounds: int = 2000, seed: int = 0
-) -> tuple[float, float]:
-    """95% percentile bootstrap interval of `statistic` over resamples of the n problems'
-    indices (the same resample for every policy the statistic compares: paired)."""
-    if n == 0:
-        return float("nan"), float("nan")
-    rng = random.Random(seed)
-    values = sorted(statistic(rng.choices(range(n), k=n)) for _ in range(rounds))
-    return values[int(0.025 * rounds)], values[int(0.975 * rounds) - 1]
-
-
-def interval_text(values: Sequence[float]) -> str:
-    low, high = bootstrap_interval(lambda rows: mean([values[i] for i in rows]), len(values))
-    return f"{mean(values):.3f} ({low:.3f}-{high:.3f})"
-
-
-def difference_text(values: Sequence[float], baseline: Sequence[float]) -> str:
-    low, high = bootstrap_interval(
-        lambda rows: mean([values[i] - baseline[i] for i in rows]), len(values)
-    )
-    verdict = "above" if low > 0 else "below" if high < 0 else "within noise"
-    return f"{mean(values) - mean(baseline):+.3f} ({low:+.3f} to {high:+.3f}; {verdict})"
 
 
 def print_judgement(
