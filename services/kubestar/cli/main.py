@@ -9,6 +9,7 @@ import click
 from kubestar.cli.engine import engine, model
 from kubestar.cli.errors import DEBUG_ENV, debug_requested, describe
 from kubestar.cli.eval import evaluate
+from kubestar.cli.evolve import evolve
 from kubestar.cli.operator import operator
 from kubestar.cli.ppm import ppm
 from kubestar.cli.report import report
@@ -39,6 +40,7 @@ cli.add_command(evaluate)
 cli.add_command(report)
 cli.add_command(ppm)
 cli.add_command(solve)
+cli.add_command(evolve)
 
 
 def main() -> None:

@@ -58,7 +58,8 @@ def local_services_options(function: F) -> F:
             "--log-dir",
             type=click.Path(file_okay=False),
             default="",
-            help="Logs of the local engine and sandbox (default: a temporary folder).",
+            help="Logs of the local engine and sandbox (default: a temporary folder, or the "
+            "command's own output folder where it has one).",
         ),
     ]
     for option in reversed(options):

@@ -242,10 +242,10 @@ def _check_values(mode: str, ppm: str, ppm_endpoint: str, ground_truth: bool) ->
         )
 
 
-def search_options(function: F) -> F:
-    """The options of every command that searches (`kubestar solve`, `kubestar eval
-    --search`): the step format, the PPM, the tree's shape and terminal rules, the step
-    length, how many problems at once, and the scheduler (running or local)."""
+def search_step_options(function: F) -> F:
+    """The options of every command that grows search trees (`kubestar solve`, `kubestar
+    eval --search`, `kubestar evolve`): the step format, the tree's shape and terminal rules,
+    the step length, how many problems at once, and the local scheduler's policy."""
     options = [
         click.option(
             "--format",
@@ -256,22 +256,12 @@ def search_options(function: F) -> F:
             help="Steps as `<tool_call>` turns (policies trained by the agent loop) or in "
             "rStar's format (`<code>`, `<end_of_step>`).",
         ),
-        click.option("--ppm", type=click.Path(exists=True, file_okay=False), help="A PPM folder."),
-        click.option("--ppm-endpoint", default="", metavar="HOST:PORT", help="A scoring service."),
-        click.option("--ppm-device", default="auto", show_default=True, help="Device of --ppm."),
         click.option(
             "--children",
             type=click.IntRange(min=1),
             default=16,
             show_default=True,
             help="mcts: steps sampled per expansion (one request of n samples).",
-        ),
-        click.option(
-            "--beam-samples",
-            type=click.IntRange(min=1),
-            default=8,
-            show_default=True,
-            help="B2: steps sampled per beam.",
         ),
         click.option("--max-depth", type=click.IntRange(min=1), default=16, show_default=True),
         click.option(
@@ -289,13 +279,6 @@ def search_options(function: F) -> F:
             help="c of the MCTS selection score Q + c * sqrt(ln N_parent / N).",
         ),
         click.option(
-            "--top-k",
-            type=click.IntRange(min=1),
-            default=4,
-            show_default=True,
-            help="mcts, beam: the answer is voted over this many top-scored answers.",
-        ),
-        click.option(
             "--max-step-tokens", type=click.IntRange(min=1), default=512, show_default=True
         ),
         click.option(
@@ -305,7 +288,6 @@ def search_options(function: F) -> F:
             show_default=True,
             help="Problems searched at once.",
         ),
-        click.option("--scheduler", "scheduler", metavar="HOST:PORT", help="A running scheduler."),
         click.option(
             "--scheduler-policy",
             type=click.Choice(["kv-aware", "least-requests", "round-robin"]),
@@ -313,6 +295,52 @@ def search_options(function: F) -> F:
             show_default=True,
             help="Policy of the local scheduler.",
         ),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function
+
+
+def step_sampling_options(function: F) -> F:
+    """How `kubestar solve` and `kubestar evolve` sample steps and run their code."""
+    options = [
+        click.option("--temperature", type=click.FloatRange(min=0), default=0.7, show_default=True),
+        click.option(
+            "--top-p", type=click.FloatRange(min=0, max=1), default=0.95, show_default=True
+        ),
+        click.option("--sampling-seed", default=0, help="Seed of sampling (0: unseeded)."),
+        click.option(
+            "--tool-timeout", default=10.0, show_default=True, help="Seconds per program."
+        ),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function
+
+
+def search_options(function: F) -> F:
+    """The options of every command that searches with a PPM and may use a running scheduler
+    (`kubestar solve`, `kubestar eval --search`): `search_step_options`, the PPM, beam
+    search's B2, the vote, and the scheduler (running or local)."""
+    options = [
+        click.option("--ppm", type=click.Path(exists=True, file_okay=False), help="A PPM folder."),
+        click.option("--ppm-endpoint", default="", metavar="HOST:PORT", help="A scoring service."),
+        click.option("--ppm-device", default="auto", show_default=True, help="Device of --ppm."),
+        click.option(
+            "--beam-samples",
+            type=click.IntRange(min=1),
+            default=8,
+            show_default=True,
+            help="B2: steps sampled per beam.",
+        ),
+        click.option(
+            "--top-k",
+            type=click.IntRange(min=1),
+            default=4,
+            show_default=True,
+            help="mcts, beam: the answer is voted over this many top-scored answers.",
+        ),
+        click.option("--scheduler", "scheduler", metavar="HOST:PORT", help="A running scheduler."),
         click.option(
             "--no-affinity",
             is_flag=True,
@@ -329,7 +357,7 @@ def search_options(function: F) -> F:
     ]
     for option in reversed(options):
         function = option(function)
-    return function
+    return search_step_options(function)
 
 
 @dataclass(frozen=True)
@@ -453,10 +481,7 @@ def search_services(
     help="majority, best-of-n, ppm-vote: draw waves of up to --samples solutions until this "
     "many tokens were generated for the problem (0: one wave).",
 )
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.7, show_default=True)
-@click.option("--top-p", type=click.FloatRange(min=0, max=1), default=0.95, show_default=True)
-@click.option("--sampling-seed", default=0, help="Seed of sampling (0: unseeded).")
-@click.option("--tool-timeout", default=10.0, show_default=True, help="Seconds per program.")
+@step_sampling_options
 @click.option("--sandbox", metavar="HOST:PORT", help="A running sandbox (gRPC).")
 @click.option(
     "--max-model-len",
