@@ -39,7 +39,8 @@ Training, Succeeded, Failed: kubestar.api.conditions.TRAINER_PHASES), `stage`, `
 `totalSteps`, `progress`, `metrics`, `lastCheckpoint`,
 `rolloutRetry` (which `rollouts_condition` turns into the RolloutsHealthy condition),
 `activity` (what it does and waits on; the operator's watchdog turns an activity that does
-not move on into the Stalled condition). The operator
+not move on into the Stalled condition), `evaluations` (the held-out evaluations, greedy and
+search, rebuilt from the metrics log when a trainer resumes). The operator
 owns `conditions`, `observedGeneration`, `stepSummary`, `trainer` and the phases Pending and
 Provisioning; it also sets Succeeded or Failed from the Job's outcome when the trainer could
 not. A report that fails is logged and dropped, never retried: training goes on, and the next
@@ -104,6 +105,7 @@ TRAINER_FIELDS = (
     "lastCheckpoint",
     "rolloutRetry",
     "activity",
+    "evaluations",
 )
 
 

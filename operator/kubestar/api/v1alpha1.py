@@ -687,9 +687,128 @@ class CheckpointSpec(Spec):
 
 EvaluationPoint = Literal["start", "sft", "end"]
 
+SearchMode = Literal["mcts", "beam", "majority", "best-of-n"]
+# The modes whose answers a process preference model chooses.
+PPM_SEARCH_MODES: tuple[str, ...] = ("mcts", "beam", "best-of-n")
+# Each budget field and the modes that spend it, as `kubestar solve`'s budget flags: another
+# mode refuses it, since it would change nothing.
+SEARCH_BUDGET_FIELDS: dict[str, tuple[str, ...]] = {
+    "rollouts": ("mcts",),
+    "children": ("mcts",),
+    "beams": ("beam",),
+    "beam_samples": ("beam",),
+    "samples": ("majority", "best-of-n"),
+}
+# An unset budget field's value: rStar-Math's and `kubestar solve`'s defaults.
+SEARCH_BUDGET_DEFAULTS: dict[str, int] = {
+    "rollouts": 8,
+    "children": 16,
+    "beams": 8,
+    "beam_samples": 8,
+    "samples": 8,
+}
+
+
+class SearchEvaluationSpec(Spec):
+    """Test-time search on the held-out problems at every evaluation point, beside the greedy
+    evaluation: rStar-Math's MCTS or beam search guided by a process preference model
+    (PPM), or a vote or best-of-N over sampled solutions, on the run's RolloutFleet and
+    SandboxPool (what `kubestar solve` runs). A search's solution may use as many tokens
+    after the prompt as the greedy evaluation's (the largest stage maxResponseTokens)."""
+
+    mode: SearchMode = Field(
+        description="mcts: rStar-Math's Monte Carlo tree search, valued by the PPM. beam: "
+        "step-level beam search ranked by the PPM. majority: the most frequent answer of "
+        "samples solutions (no PPM). best-of-n: the answer of the solution the PPM values "
+        "highest, of samples."
+    )
+    rollouts: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="mcts only: rollouts per problem (selection, expansion, valuation, "
+        "backpropagation). Unset: 8.",
+    )
+    children: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="mcts only: steps sampled per expansion, in one request of that many "
+        "samples. Unset: 16.",
+    )
+    beams: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="beam only: beams kept after each step (B1). Unset: 8.",
+    )
+    beam_samples: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="beam only: steps sampled per beam (B2). Unset: 8.",
+    )
+    samples: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="majority and best-of-n only: solutions sampled per problem. Unset: 8.",
+    )
+    format: Literal["tool-call", "rstar"] = Field(
+        "tool-call",
+        description="How a step is written: tool-call, one <tool_call> turn (policies trained "
+        "by the agent loop, as this run's); rstar, rStar-Math's <code> / <end_of_step> "
+        "format.",
+    )
+    ppm: str | None = Field(
+        None,
+        min_length=1,
+        description="A PPM folder (`kubestar ppm train --out`) the trainer can read, e.g. on "
+        "trainer.dataPvcClaimName; loaded in the trainer at each evaluation point. It must "
+        "read token ids with the policy's tokenizer. Required by mcts, beam and best-of-n.",
+    )
+    temperature: float = Field(
+        0.7,
+        gt=0,
+        le=5,
+        description="Sampling temperature of the search's steps (rStar-Math's 0.7).",
+    )
+    seed: int = Field(
+        1,
+        ge=0,
+        description="Seed of the search's sampling, so that evaluation points differ by the "
+        "policy rather than by chance. 0: unseeded.",
+    )
+
+    @model_validator(mode="after")
+    def _mode_fields(self) -> SearchEvaluationSpec:
+        """Refuse what the mode would not use, and a PPM mode without a PPM; each message
+        names the field."""
+        for name, modes in SEARCH_BUDGET_FIELDS.items():
+            if self.mode not in modes and getattr(self, name) is not None:
+                raise ValueError(
+                    f"{to_camel(name)}: mode {self.mode} does not use it; it is for "
+                    f"{' and '.join(modes)} (unset it)"
+                )
+        if self.mode in PPM_SEARCH_MODES and self.ppm is None:
+            raise ValueError(
+                f"ppm: mode {self.mode} needs a process preference model: set ppm to a PPM "
+                "folder (`kubestar ppm train`), or choose mode majority"
+            )
+        if self.mode not in PPM_SEARCH_MODES and self.ppm is not None:
+            raise ValueError(f"ppm: mode {self.mode} does not use a PPM (unset it)")
+        return self
+
+    def budget(self, name: str) -> int:
+        """A budget field's value, or its default when unset (SEARCH_BUDGET_DEFAULTS): the
+        field has no schema default, so that a mode never carries another mode's budget."""
+        value = getattr(self, name)
+        return int(value) if value is not None else SEARCH_BUDGET_DEFAULTS[name]
+
 
 class EvaluationSpec(Spec):
-    """Evaluation of the policy on held-out problems, with greedy decoding."""
+    """Evaluation of the policy on held-out problems, with greedy decoding, and optionally
+    with test-time search (search)."""
 
     dataset: DatasetSpec | None = Field(
         None, description="The held-out problems. Unset: no evaluation."
@@ -706,6 +825,22 @@ class EvaluationSpec(Spec):
         description="Also evaluate after every this many RL steps (verl's test_freq), to "
         "see whether the policy drifts during training. Unset: only at the points of at.",
     )
+    search: SearchEvaluationSpec | None = Field(
+        None,
+        description="Also solve the held-out problems by test-time search at each evaluation "
+        "point (MCTS or beam search with a PPM, a majority vote, best-of-N), through the "
+        "run's scheduler and sandbox; accuracy, generated tokens per problem and seconds go "
+        "beside the greedy figures in status.evaluations, metrics.jsonl and the report. "
+        "Unset: greedy only.",
+    )
+
+    @model_validator(mode="after")
+    def _search_needs_problems(self) -> EvaluationSpec:
+        if self.search is not None and self.dataset is None:
+            raise ValueError(
+                "search: searches the held-out problems, but dataset is unset: set dataset"
+            )
+        return self
 
 
 class ResilienceSpec(Spec):
@@ -868,6 +1003,49 @@ class TrainingMetrics(Spec):
     )
 
 
+# status.evaluations keeps the first evaluation and the newest after it, this many in all:
+# a run that evaluates every step must not outgrow the object's size limit.
+MAX_STATUS_EVALUATIONS = 100
+
+
+class SearchEvaluationResult(Spec):
+    """What the test-time search (spec.evaluation.search) did at one evaluation point."""
+
+    mode: str = Field(description="The search's mode (spec.evaluation.search.mode).")
+    accuracy: float = Field(description="Fraction of the held-out problems answered right.")
+    answered: float = Field(0.0, description="Fraction of the problems given any answer.")
+    generated_tokens_per_problem: float = Field(
+        0.0,
+        description="Tokens the policy generated per problem, every sampled step counted "
+        "(duplicates dropped included): the budget to compare the greedy figure against.",
+    )
+    seconds: float = Field(0.0, description="Wall-clock seconds of the search, all problems.")
+
+
+class EvaluationResult(Spec):
+    """One held-out evaluation (spec.evaluation): when it ran, the greedy figures, and the
+    search's when spec.evaluation.search is set."""
+
+    point: Literal["start", "sft", "step", "end"] = Field(
+        description="When it ran: start, sft or end (spec.evaluation.at), or step (every "
+        "spec.evaluation.everySteps RL steps)."
+    )
+    step: int = Field(description="RL steps done when it ran.")
+    problems: int = Field(0, description="Held-out problems evaluated.")
+    accuracy: float = Field(
+        description="Greedy decoding: fraction of the trajectories whose answer is right."
+    )
+    generated_tokens_per_problem: float = Field(
+        0.0,
+        description="Greedy decoding: tokens the policy generated per problem (tool output "
+        "not counted), over spec.evaluation.samples trajectories.",
+    )
+    seconds: float = Field(0.0, description="Wall-clock seconds of the greedy evaluation.")
+    search: SearchEvaluationResult | None = Field(
+        None, description="The test-time search's figures; unset without evaluation.search."
+    )
+
+
 class ProgressMetric(Spec):
     """One metric of the latest step, by name (as Kubeflow Trainer lists a TrainJob's)."""
 
@@ -981,6 +1159,12 @@ class TrainingRunStatus(Spec):
         description="Set while a step is rolled out again because too many of its "
         "trajectories were spoiled by engine, scheduler or sandbox failures (or when the run "
         "failed for that); cleared once the step trains.",
+    )
+    evaluations: list[EvaluationResult] = Field(
+        default_factory=list,
+        description="The held-out evaluations so far, in the order they ran: greedy accuracy "
+        "and, with spec.evaluation.search, the search's accuracy, tokens and time beside it. "
+        "At most 100: the first and the newest 99 (metrics.jsonl keeps them all).",
     )
 
 
