@@ -20,8 +20,11 @@ from kubestar.api.trainer_contract import (
 )
 from kubestar.api.v1alpha1 import (
     API_VERSION,
+    MAX_STATUS_EVALUATIONS,
+    EvaluationResult,
     Progress,
     ProgressMetric,
+    SearchEvaluationResult,
     TrainingMetrics,
     TrainingRunStatus,
 )
@@ -171,3 +174,47 @@ def status_metrics(metrics: dict[str, float]) -> TrainingMetrics:
         tokens_per_second=metrics.get("tokens_per_second"),
         step_seconds=metrics.get("step_seconds"),
     )
+
+
+def evaluation_result(entry: dict[str, Any]) -> EvaluationResult:
+    """status.evaluations' entry for an evaluation's metrics entry (stage `evaluation`: the
+    greedy figures, and the search's under `search_*` keys when it ran)."""
+    search = None
+    if entry.get("search_mode"):
+        search = SearchEvaluationResult(
+            mode=str(entry["search_mode"]),
+            accuracy=float(entry.get("search_accuracy") or 0.0),
+            answered=float(entry.get("search_answered") or 0.0),
+            generated_tokens_per_problem=float(
+                entry.get("search_generated_tokens_per_problem") or 0.0
+            ),
+            seconds=float(entry.get("search_seconds") or 0.0),
+        )
+    return EvaluationResult(
+        point=entry.get("point", "end"),
+        step=int(entry.get("step") or 0),
+        problems=int(entry.get("problems") or 0),
+        accuracy=float(entry.get("eval_accuracy") or 0.0),
+        generated_tokens_per_problem=float(entry.get("generated_tokens_per_problem") or 0.0),
+        seconds=float(entry.get("seconds") or 0.0),
+        search=search,
+    )
+
+
+def record_evaluation(status: TrainingRunStatus, result: EvaluationResult) -> None:
+    """Add an evaluation to status.evaluations, keeping the first and the newest ones
+    (MAX_STATUS_EVALUATIONS in all): the first is what training is measured against."""
+    evaluations = [*status.evaluations, result]
+    if len(evaluations) > MAX_STATUS_EVALUATIONS:
+        evaluations = [evaluations[0], *evaluations[-(MAX_STATUS_EVALUATIONS - 1) :]]
+    status.evaluations = evaluations
+
+
+def evaluations_from_log(entries: list[dict[str, Any]]) -> list[EvaluationResult]:
+    """status.evaluations rebuilt from a metrics log (a resumed trainer's status starts
+    empty; its log holds every evaluation up to the checkpoint)."""
+    status = TrainingRunStatus()
+    for entry in entries:
+        if entry.get("stage") == "evaluation":
+            record_evaluation(status, evaluation_result(entry))
+    return status.evaluations

@@ -4,7 +4,8 @@ update's clip fraction per step; and the comparison of several runs (`write_comp
 
 It reads `run_dir/metrics.jsonl` (one JSON object per line, see TrainingSession): RL steps
 carry `step`, `stage` and the step's metrics; an entry with stage `sft` holds the SFT stage's
-metrics and one with stage `evaluation` the held-out evaluation. Missing values are shown as
+metrics and one with stage `evaluation` the held-out evaluation (greedy, and the test-time
+search's figures under `search_*` keys when the run asked for it). Missing values are shown as
 `-` and left out of plots; a run with no steps still gets a report that says so.
 """
 
@@ -44,6 +45,15 @@ EVALUATION_KEYS: tuple[tuple[str, str, str], ...] = (
     ("tool_error_rate", "tool error rate", ".3f"),
     ("mean_response_tokens", "mean response tokens", ".1f"),
     ("rollouts", "trajectories", ".0f"),
+    ("generated_tokens_per_problem", "generated tokens per problem", ".1f"),
+    ("seconds", "seconds", ".1f"),
+)
+# The test-time search's figures beside the greedy ones (spec.evaluation.search); the titles
+# start with the search's mode.
+SEARCH_KEYS: tuple[tuple[str, str, str], ...] = (
+    ("search_accuracy", "accuracy", ".3f"),
+    ("search_generated_tokens_per_problem", "generated tokens per problem", ".1f"),
+    ("search_seconds", "seconds", ".1f"),
 )
 EVALUATION_POINTS = {"start": "initial policy", "sft": "after SFT", "end": "after RL"}
 SFT_KEYS: tuple[tuple[str, str, str], ...] = (
@@ -274,14 +284,25 @@ def write_report(run_dir: Path) -> Path:
         lines += _stage_summary(steps)
 
     if evaluations:
-        lines += ["## Evaluation", "", "Held-out problems, greedy decoding.", ""]
+        modes = sorted({str(e["search_mode"]) for e in evaluations if e.get("search_mode")})
+        how = f"by greedy decoding and by test-time search ({', '.join(modes)})"
+        columns = EVALUATION_KEYS
+        if modes:
+            prefix = modes[0] if len(modes) == 1 else "search"
+            columns += tuple((key, f"{prefix} {title}", fmt) for key, title, fmt in SEARCH_KEYS)
+        lines += [
+            "## Evaluation",
+            "",
+            f"Held-out problems, {how if modes else 'greedy decoding'}.",
+            "",
+        ]
         lines += _table(
-            ["when", "after step", *(title for _, title, _ in EVALUATION_KEYS)],
+            ["when", "after step", *(title for _, title, _ in columns)],
             [
                 [
                     _point(entry),
                     _cell(entry.get("step"), "d"),
-                    *(_cell(entry.get(key), fmt) for key, _, fmt in EVALUATION_KEYS),
+                    *(_cell(entry.get(key), fmt) for key, _, fmt in columns),
                 ]
                 for entry in evaluations
             ],
@@ -421,20 +442,32 @@ def write_comparison(runs: Mapping[str, Path], folder: Path) -> Path:
         rows.append([name, str(len(run_steps)), *cells])
     lines += _table(["run", "steps", *(title for _, title, _, _ in COMPARED)], rows)
     lines.append("")
+    held_out = [
+        (name, entry)
+        for name, entries in metrics.items()
+        for entry in entries
+        if entry.get("stage") == EVALUATION
+    ]
+    searched = any(entry.get("search_mode") for _, entry in held_out)
     evaluations = [
         [
             name,
             _point(entry),
             _cell(entry.get("step"), "d"),
             _cell(entry.get("eval_accuracy"), ".3f"),
+            *(
+                [str(entry.get("search_mode") or "-"), _cell(entry.get("search_accuracy"), ".3f")]
+                if searched
+                else []
+            ),
         ]
-        for name, entries in metrics.items()
-        for entry in entries
-        if entry.get("stage") == EVALUATION
+        for name, entry in held_out
     ]
     if evaluations:
-        lines += ["## Held-out evaluation", "", "Greedy decoding.", ""]
-        lines += _table(["run", "when", "after step", "accuracy"], evaluations)
+        search_columns = ["search", "search accuracy"] if searched else []
+        how = "Greedy decoding, and test-time search (evaluation.search)" if searched else ""
+        lines += ["## Held-out evaluation", "", f"{how or 'Greedy decoding'}.", ""]
+        lines += _table(["run", "when", "after step", "accuracy", *search_columns], evaluations)
         lines.append("")
     plots = [
         (

@@ -5,7 +5,7 @@
     for each stage: select its problems (filter), maybe reset the optimizer
         for each step: rollouts (Ray actor) -> GRPO-RoC update -> push weights
                        -> metrics log + status -> checkpoint every N steps
-    evaluation on held-out problems -> report
+    evaluation on held-out problems (greedy; and search, with evaluation.search) -> report
 
 Every problem a step trains on is fixed by (stage, step) alone, so a run resumed from a
 checkpoint neither repeats nor skips a step. The same code runs on one machine (local Ray,
@@ -51,6 +51,9 @@ from kubestar.training.policy import OptimizerConfig, Policy
 from kubestar.training.progress import (
     MetricsLog,
     Reporter,
+    evaluation_result,
+    evaluations_from_log,
+    record_evaluation,
     set_phase,
     set_rollouts_condition,
     status_metrics,
@@ -219,6 +222,11 @@ class TrainingSession:
     def _run(self, policy: Policy, worker: Any) -> None:
 
         main = self.world.main
+        search = self.spec.evaluation.search
+        if main and search is not None and self.spec.evaluation.dataset is not None:
+            from kubestar.training.search_evaluation import check_ppm
+
+            check_ppm(search, self.model_dir)  # before training, not at the first evaluation
         state = self._resume(policy, worker)
         fresh = self.resumed_from is None
         if fresh and "start" in self.spec.evaluation.at:
@@ -355,6 +363,7 @@ class TrainingSession:
             extra={"fields": {"checkpoint": str(latest), "global_step": state.global_step}},
         )
         self.metrics.truncate_after(state.global_step)
+        self.status.evaluations = evaluations_from_log(self.metrics.read())
         self.status.step = state.global_step
         self.status.last_checkpoint = str(latest)
         self._push_weights(policy, worker, version=state.global_step, folder=latest / "weights")
@@ -463,8 +472,11 @@ class TrainingSession:
             self.progress(stage.name, state.global_step, self.status.total_steps, metrics)
 
     def _evaluate(self, worker: Any, point: str) -> None:
-        """Greedy agent-loop rollouts on the held-out problems; `point` says when (start,
-        sft, end). Written to metrics.jsonl and evaluation-POINT.json."""
+        """Greedy agent-loop rollouts on the held-out problems, then, with
+        evaluation.search, the same problems solved by test-time search; `point` says when
+        (start, sft, step, end). Written to metrics.jsonl (the search's figures as
+        `search_*`), evaluation-POINT.json (the search's trees to
+        evaluation-POINT-search.jsonl) and status.evaluations."""
         import ray
 
         evaluation = self.spec.evaluation
@@ -474,6 +486,7 @@ class TrainingSession:
         self._doing(f"evaluating ({point})", self._rollout_components())
         problems = load_dataset(evaluation.dataset)
         max_tokens = max(stage.max_response_tokens for stage in self.spec.stages)
+        started = time.monotonic()
         trajectories, _ = ray.get(
             worker.rollout.remote(
                 problems,
@@ -484,13 +497,26 @@ class TrainingSession:
             )
         )
         summary: dict[str, Any] = dict(evaluation_summary(trajectories))
+        summary["problems"] = len(problems)
+        summary["generated_tokens_per_problem"] = sum(t.model_tokens for t in trajectories) / max(
+            len(problems), 1
+        )
+        summary["seconds"] = round(time.monotonic() - started, 3)
         families = accuracy_by_family(problems, trajectories)
         if len(families) > 1:
             summary["families"] = families
-        self.metrics.append(
-            {"step": self.status.step, "stage": "evaluation", "point": point, **summary}
-        )
         name = f"step-{self.status.step:06d}" if point == "step" else point
+        if evaluation.search is not None:
+            self._doing(
+                f"searching the held-out problems ({point}, {evaluation.search.mode})",
+                self._rollout_components(),
+            )
+            figures, trees = ray.get(worker.search.remote(problems, evaluation.search, max_tokens))
+            summary.update(figures)
+            with (self.run_dir / f"evaluation-{name}-search.jsonl").open("w") as out:
+                out.writelines(json.dumps(tree) + "\n" for tree in trees)
+        entry = {"step": self.status.step, "stage": "evaluation", "point": point, **summary}
+        self.metrics.append(entry)
         (self.run_dir / f"evaluation-{name}.json").write_text(
             json.dumps(
                 {
@@ -501,6 +527,8 @@ class TrainingSession:
                 default=str,
             )
         )
+        record_evaluation(self.status, evaluation_result(entry))
+        self.reporter.report(self.status)
 
     def _rollout(
         self, worker: Any, problems: list[Problem], samples: int, max_tokens: int

@@ -1,15 +1,18 @@
 """Rollouts and rewards off the training process: a Ray actor around the agent loop.
 
 The actor holds one connection to the rollout scheduler, one stream to the sandbox and a pool
-of reward processes; each `rollout` call runs a whole step's trajectories as coroutines.
+of reward processes; each `rollout` call runs a whole step's trajectories as coroutines, and
+`search` solves held-out problems by test-time search through the same scheduler connection
+and reward processes (and a batch channel to the sandbox, opened per evaluation).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from kubestar.api.v1alpha1 import CallLimitsSpec, ResilienceSpec
+from kubestar.api.v1alpha1 import CallLimitsSpec, ResilienceSpec, SearchEvaluationSpec
 from kubestar.training.chat import ChatTokenizer
 from kubestar.training.datasets import Problem
 from kubestar.training.executors import SandboxStreamExecutor
@@ -39,6 +42,8 @@ class RolloutWorker:
         call_limits: CallLimitsSpec | None = None,
     ) -> None:
         self.call_limits = call_limits or CallLimitsSpec()
+        self.model_dir = Path(model_dir)
+        self.sandbox = sandbox
         self.tokenizer = ChatTokenizer.from_model(model_dir)
         self.generator = SchedulerGenerator(scheduler)
         self.tools = SandboxStreamExecutor(sandbox)
@@ -60,6 +65,37 @@ class RolloutWorker:
         )
         loop = AgentLoop(self.generator, self.tools, self.tokenizer, config)
         return await rollout(loop, problems, samples, self.scorer)
+
+    async def search(
+        self,
+        problems: Sequence[Problem],
+        spec: SearchEvaluationSpec,
+        max_response_tokens: int,
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Solve held-out problems by test-time search on the same scheduler and sandbox
+        (`kubestar.training.search_evaluation`): the figures and every problem's tree."""
+        from kubestar.sandbox.client import SandboxClient
+        from kubestar.training.search_evaluation import search_problems
+
+        # ExecuteBatch for the search's expansions (the agent loop streams single calls).
+        sandbox = SandboxClient(
+            self.sandbox, timeout=max(60.0, 10 * self.call_limits.timeout_seconds)
+        )
+        try:
+            return await search_problems(
+                scheduler=self.generator.client,
+                sandbox=sandbox,
+                model_dir=self.model_dir,
+                encode=self.tokenizer.encode,
+                problems=problems,
+                spec=spec,
+                max_response_tokens=max_response_tokens,
+                judge=self.scorer.score,
+                call_limits=self.call_limits,
+            )
+        finally:
+            await sandbox.aclose()
+            sandbox.close()
 
     async def update_weights(
         self, weights_path: str, version: int, resilience: ResilienceSpec | None = None
