@@ -300,12 +300,13 @@ def format_table(points: Sequence[SweepPoint]) -> str:
 def plot_sweep(points: Sequence[SweepPoint], path: str | Path, title: str = "") -> bool:
     """Accuracy against generated tokens per problem as a PNG: a line per mode through its
     budgets, each point with its 95% interval as an error bar and its budget written beside
-    it (greedy is one point). A log token axis when the tokens span 8x or more. False when
-    there is no point to draw."""
+    it (greedy is one point). A log token axis (base 2) when the tokens span 8x or more.
+    False when there is no point to draw."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     by_mode: dict[str, list[SweepPoint]] = {}
     for point in points:
@@ -346,7 +347,10 @@ def plot_sweep(points: Sequence[SweepPoint], path: str | Path, title: str = "") 
                     )
         tokens = [point.tokens_per_problem for drawn in by_mode.values() for point in drawn]
         if min(tokens) > 0 and max(tokens) >= 8 * min(tokens):
-            axes.set_xscale("log")
+            # Base 2: each doubling of the budget is one step; tokens written out in full.
+            axes.set_xscale("log", base=2)
+            axes.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:,.0f}"))
+            axes.xaxis.set_minor_formatter(NullFormatter())
         axes.set_ylim(0, 1.05)
         axes.set_title(title or "accuracy against generated tokens (95% intervals)")
         axes.set_xlabel("generated tokens per problem")
