@@ -74,7 +74,7 @@ def test_a_failed_report_is_logged_once_and_training_goes_on(
     StatusPatcher("run", "team", nobody, timeout=5).report(training_status(1))
 
 
-def test_progress_is_reported_as_kubeflow_trainer_reports_a_trainjobs() -> None:
+def test_progress_reports_steps_done_time_left_and_metrics_as_a_list() -> None:
     progress = step_progress(2, 3, 3725.4, TrainingMetrics(reward=0.5, tool_error_rate=0.125))
     assert progress.percentage == 66  # rounded down: 100 only once the last step is done
     assert progress.estimated_remaining_seconds == 3725

@@ -1047,15 +1047,18 @@ class EvaluationResult(Spec):
 
 
 class ProgressMetric(Spec):
-    """One metric of the latest step, by name (as Kubeflow Trainer lists a TrainJob's)."""
+    """One metric of the latest step: its name, and its value as a decimal string."""
 
     name: str = Field(description="The metric's name, as in status.metrics (e.g. reward).")
     value: str = Field(description="Its latest value, as a decimal string.")
 
 
 class Progress(Spec):
-    """How far the run is, in the shape Kubeflow Trainer reports a TrainJob's progress: what
-    dashboards and tools written for TrainJobs read."""
+    """How far the run is: RL steps done in percent, the estimated time left, the latest
+    step's metrics as a list and when the trainer wrote them. Kubeflow Trainer's TrainJob
+    reports the same figures at another path and partly under other names
+    (status.trainerStatus: progressPercentage, estimatedRemainingSeconds, metrics,
+    lastUpdatedTime): a tool written for TrainJobs does not read these unchanged."""
 
     percentage: int = Field(
         0, ge=0, le=100, description="RL steps done out of totalSteps, in percent (rounded down)."
@@ -1120,8 +1123,8 @@ class TrainingRunStatus(Spec):
     total_steps: int = Field(0, description="RL steps of the whole run: the stages' steps added.")
     progress: Progress = Field(
         default_factory=Progress,
-        description="Percentage done, estimated time left and the latest metrics, as "
-        "Kubeflow Trainer reports a TrainJob's progress.",
+        description="Percentage of the RL steps done, estimated time left and the latest "
+        "step's metrics as a list.",
     )
     metrics: TrainingMetrics = Field(
         default_factory=TrainingMetrics, description="Metrics of the latest step."

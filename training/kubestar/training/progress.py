@@ -150,7 +150,7 @@ def duration_summary(seconds: float) -> str:
 def step_progress(
     step: int, total_steps: int, seconds_left: float | None, metrics: TrainingMetrics
 ) -> Progress:
-    """status.progress after `step` of `total_steps` (Kubeflow Trainer's TrainJob shape)."""
+    """status.progress after `step` of `total_steps`."""
     values = metrics.model_dump(by_alias=True, exclude_none=True)
     return Progress(
         percentage=min(100, 100 * step // max(total_steps, 1)),
