@@ -181,3 +181,29 @@ def test_mixed_rewards_train_every_step(tmp_path: Path) -> None:
     )
     start = load_file(model / "model.safetensors")
     assert any(not torch.equal(trained[name], start[name]) for name in start)
+
+
+def test_search_evaluation_reaches_status(tmp_path: Path) -> None:
+    """evaluation.search (majority: no PPM) also solves the held-out problems at each
+    evaluation point, on the run's scheduler and sandbox: its accuracy, generated tokens
+    and time reach the status, the metrics log and the report."""
+    held_out = "dataset: {generator: basic_arithmetic, size: 4, seed: 1000}"
+    text = MANIFEST.replace(held_out, held_out + "\n    search: {mode: majority, samples: 2}")
+    command, env = train_command(tmp_path, steps=1, text=text)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert [(e["point"], e["step"]) for e in status["evaluations"]] == [("start", 0), ("end", 1)]
+    for evaluation in status["evaluations"]:
+        search = evaluation["search"]
+        assert search["mode"] == "majority" and 0 <= search["accuracy"] <= 1
+        assert search["generatedTokensPerProblem"] > 0 and search["seconds"] > 0
+        assert evaluation["generatedTokensPerProblem"] > 0  # greedy's, beside it
+    logged = [m for m in metrics(tmp_path) if m["stage"] == "evaluation"]
+    assert [m["search_accuracy"] for m in logged] == [
+        e["search"]["accuracy"] for e in status["evaluations"]
+    ]
+    assert all(m["search_generated_tokens_per_problem"] > 0 for m in logged)
+    trees = (tmp_path / "run" / "evaluation-end-search.jsonl").read_text().splitlines()
+    assert len(trees) == 4  # one tree per held-out problem
+    assert "majority accuracy" in (tmp_path / "run" / "report" / "report.md").read_text()
