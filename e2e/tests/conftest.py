@@ -153,5 +153,25 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         pytest.skip(f"the journey stopped at {failed}")
 
 
+# --- figures for bench/RESULTS.md, printed at the end of the suite's output ----------------
+
+FIGURES = pytest.StashKey[list[str]]()
+
+
+def figures(config: pytest.Config) -> list[str]:
+    """Lines a test adds for the end of the suite's output (and so pytest.txt)."""
+    return config.stash.setdefault(FIGURES, [])
+
+
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, config: pytest.Config
+) -> None:
+    lines = config.stash.get(FIGURES, [])
+    if lines:
+        terminalreporter.section("figures")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "journey: a step of the end-to-end journey (in order)")

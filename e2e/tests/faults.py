@@ -125,3 +125,23 @@ def cost(faults: list[Fault], steps: list[dict[str, Any]]) -> dict[str, Any]:
         "median_gap_seconds_without_fault": round(statistics.median(gaps), 1) if gaps else None,
         "faults": [fault.__dict__ for fault in faults],
     }
+
+
+def cost_lines(report: dict[str, Any]) -> list[str]:
+    """The cost of each fault as bench/RESULTS.md's fault table gives it: seconds from the
+    kill to the next completed step in the metrics log, that step's duration and the gap
+    before the first step begun after the kill, against the steps without a fault."""
+    median_step = report["median_step_seconds_without_fault"]
+    median_gap = report["median_gap_seconds_without_fault"]
+    lines = [
+        f"faults: step without a fault (median) {median_step} s, gap between steps "
+        f"(median) {median_gap} s"
+    ]
+    for fault in report["faults"]:
+        lines.append(
+            f"  {fault['name']} pod deleted ({fault['when']}): kill to next completed step "
+            f"(step {fault['step']}) {fault['seconds_to_step_done']} s; step {fault['step']} "
+            f"took {fault['step_seconds']} s; gap before the next step begun after the kill "
+            f"{fault['gap_before_next_step']} s"
+        )
+    return lines

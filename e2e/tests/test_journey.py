@@ -25,8 +25,16 @@ from typing import Any
 
 import pytest
 
-from e2e.tests.conftest import CHART, MANIFESTS, Settings
-from e2e.tests.faults import COMPONENT, INSTANCE, Injector, activity, cost, metrics_log
+from e2e.tests.conftest import CHART, MANIFESTS, Settings, figures
+from e2e.tests.faults import (
+    COMPONENT,
+    INSTANCE,
+    Injector,
+    activity,
+    cost,
+    cost_lines,
+    metrics_log,
+)
 from e2e.tests.kube import Obj, Recorder, Tools, Watch, condition, wait_for
 
 pytestmark = pytest.mark.journey
@@ -805,7 +813,7 @@ def checkpoint_host_dir(settings: Settings) -> Path:
 
 
 def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
-    tools: Tools, settings: Settings
+    tools: Tools, settings: Settings, request: pytest.FixtureRequest
 ) -> None:
     """Delete the trainer pod while step 2 rolls out, the scheduler pod while step 4's
     weights are pushed, the sandbox dispatcher pod while a later step's tool calls run: the
@@ -859,6 +867,13 @@ def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
     (settings.out / "faults-metrics.jsonl").write_text(
         "".join(json.dumps(step) + "\n" for step in steps)
     )
+    # What each fault cost (bench/RESULTS.md's fault table), kept before the checks below.
+    report = cost(faults.faults, steps)
+    report["rollout_attempts"] = [s.get("rollout_attempts") for s in steps]
+    report["spoiled"] = [s.get("spoiled") for s in steps]
+    settings.notes["faults"] = report
+    (settings.out / "faults-cost.json").write_text(json.dumps(report, indent=2))
+    figures(request.config).extend(cost_lines(report))
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1)), steps
     # Step N's rollouts sampled from weights N-1 (version 0: the SFT model).
     assert [s["oldest_weights_version"] for s in steps] == list(range(STEPS)), steps
@@ -883,10 +898,6 @@ def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
     (settings.out / f"{second}.log").write_text(log)
     assert "waiting for pid" in log and ".trainer-worker-0.lock" in log, log[-3000:]
     assert re.search(r"resuming from \S+/step-000002 \(step 2\)", log), log[-3000:]
-    report = cost(faults.faults, steps)
-    report["rollout_attempts"] = [s.get("rollout_attempts") for s in steps]
-    report["spoiled"] = [s.get("spoiled") for s in steps]
-    settings.notes["faults"] = report
 
 
 def test_a_full_checkpoint_volume_fails_the_run_naming_it(tools: Tools, settings: Settings) -> None:
