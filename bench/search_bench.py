@@ -75,10 +75,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from kubestar.cli.solve import PpmSource, search_services, solver_stack
+from kubestar.cli.solve import search_services, solver_stack
 from kubestar.common.stats import difference_text
 from kubestar.engine.client import EngineClient
 from kubestar.engine.models import resolve_model
+from kubestar.scoring.source import PpmSource
 from kubestar.search.adapters import StepSampling
 from kubestar.search.ppm_data import Encode, tokenizer_sha256
 from kubestar.search.solve import MAJORITY, MODES, SCORED_MODES, Solved

@@ -56,6 +56,8 @@ def refusal(search: dict[str, Any] | None, dataset: dict[str, Any] | None = HELD
         ({"mode": "majority", "rollouts": 2}, ["rollouts: mode majority", "for mcts"]),
         ({"mode": "best-of-n", "ppm": "/p", "children": 2}, ["children: mode best-of-n"]),
         ({"mode": "majority", "ppm": "/p"}, ["ppm: mode majority does not use a PPM"]),
+        ({"mode": "ppm-vote", "samples": 4}, ["ppm: mode ppm-vote needs"]),
+        ({"mode": "ppm-vote", "ppm": "/p", "rollouts": 2}, ["rollouts: mode ppm-vote"]),
         ({"mode": "greedy"}, ["spec.evaluation.search.mode", "mcts"]),
         ({"mode": "majority", "samples": 0}, ["spec.evaluation.search.samples"]),
         ({"mode": "majority", "sample": 4}, ["spec.evaluation.search.sample: unknown field"]),
@@ -114,7 +116,7 @@ def test_the_crd_documents_search_and_gives_budgets_no_default() -> None:
     search = evaluation["search"]
     assert search["description"] == api.EvaluationSpec.model_fields["search"].description
     fields = search["properties"]
-    assert fields["mode"]["enum"] == ["mcts", "beam", "majority", "best-of-n"]
+    assert fields["mode"]["enum"] == ["mcts", "beam", "majority", "best-of-n", "ppm-vote"]
     assert search["required"] == ["mode"]
     for name in ("rollouts", "children", "beams", "beamSamples", "samples"):
         assert "default" not in fields[name], name

@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-from kubestar.cli.solve import PpmSource, run_solve
+from kubestar.cli.solve import run_solve
+from kubestar.scoring.source import PpmSource
 from kubestar.search.solve import GREEDY, MAJORITY, SolveSettings, summary, write_trees
 from kubestar.search.tree import SearchSettings
 from kubestar.training.datasets import Problem

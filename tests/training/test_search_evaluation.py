@@ -71,6 +71,8 @@ def test_the_solver_runs_the_modes_budget_within_the_greedy_budget() -> None:
     assert (beam.search.beam_width, beam.search.beam_samples) == (2, 8)
     assert beam.sampling.max_step_tokens == 512
     assert solve_settings(SearchEvaluationSpec(mode="majority", samples=5), 64, 0).samples == 5
+    vote = solve_settings(SearchEvaluationSpec(mode="ppm-vote", ppm="/p", samples=3), 64, 0)
+    assert (vote.mode, vote.samples) == ("ppm-vote", 3)
 
 
 async def judge(answer: str | None, reference: str) -> float:

@@ -687,9 +687,9 @@ class CheckpointSpec(Spec):
 
 EvaluationPoint = Literal["start", "sft", "end"]
 
-SearchMode = Literal["mcts", "beam", "majority", "best-of-n"]
+SearchMode = Literal["mcts", "beam", "majority", "best-of-n", "ppm-vote"]
 # The modes whose answers a process preference model chooses.
-PPM_SEARCH_MODES: tuple[str, ...] = ("mcts", "beam", "best-of-n")
+PPM_SEARCH_MODES: tuple[str, ...] = ("mcts", "beam", "best-of-n", "ppm-vote")
 # Each budget field and the modes that spend it, as `kubestar solve`'s budget flags: another
 # mode refuses it, since it would change nothing.
 SEARCH_BUDGET_FIELDS: dict[str, tuple[str, ...]] = {
@@ -697,7 +697,7 @@ SEARCH_BUDGET_FIELDS: dict[str, tuple[str, ...]] = {
     "children": ("mcts",),
     "beams": ("beam",),
     "beam_samples": ("beam",),
-    "samples": ("majority", "best-of-n"),
+    "samples": ("majority", "best-of-n", "ppm-vote"),
 }
 # An unset budget field's value: rStar-Math's and `kubestar solve`'s defaults.
 SEARCH_BUDGET_DEFAULTS: dict[str, int] = {
@@ -720,7 +720,8 @@ class SearchEvaluationSpec(Spec):
         description="mcts: rStar-Math's Monte Carlo tree search, valued by the PPM. beam: "
         "step-level beam search ranked by the PPM. majority: the most frequent answer of "
         "samples solutions (no PPM). best-of-n: the answer of the solution the PPM values "
-        "highest, of samples."
+        "highest, of samples. ppm-vote: a vote over samples solutions, each weighted by "
+        "its PPM value."
     )
     rollouts: int | None = Field(
         None,
@@ -752,7 +753,8 @@ class SearchEvaluationSpec(Spec):
         None,
         ge=1,
         le=1024,
-        description="majority and best-of-n only: solutions sampled per problem. Unset: 8.",
+        description="majority, best-of-n and ppm-vote only: solutions sampled per problem. "
+        "Unset: 8.",
     )
     format: Literal["tool-call", "rstar"] = Field(
         "tool-call",
@@ -765,7 +767,8 @@ class SearchEvaluationSpec(Spec):
         min_length=1,
         description="A PPM folder (`kubestar ppm train --out`) the trainer can read, e.g. on "
         "trainer.dataPvcClaimName; loaded in the trainer at each evaluation point. It must "
-        "read token ids with the policy's tokenizer. Required by mcts, beam and best-of-n.",
+        "read token ids with the policy's tokenizer. Required by mcts, beam, best-of-n and "
+        "ppm-vote.",
     )
     temperature: float = Field(
         0.7,

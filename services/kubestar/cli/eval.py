@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 import click
 from click.core import ParameterSource
 from kubestar.cli.options import local_services_options
-from kubestar.cli.solve import PpmSource, search_options, search_services, solver_stack
+from kubestar.cli.solve import search_options, search_services, solver_stack
+from kubestar.scoring.source import PpmSource
 from kubestar.search.solve import BEAM, GREEDY, MCTS_MODE, MODES, SCORED_MODES
 
 if TYPE_CHECKING:

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 import click
 from kubestar.cli.options import local_services_options
 from kubestar.cli.solve import (
-    PpmSource,
     run_solve,
     search_services,
     search_step_options,
     step_sampling_options,
 )
+from kubestar.scoring.source import PpmSource
 
 if TYPE_CHECKING:
     from kubestar.search.evolve import SolveFunction

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 from click.core import ParameterSource
 from kubestar.cli.options import local_services_options
+from kubestar.scoring.source import PpmSource, ppm_scorer
 from kubestar.search.solve import (
     BEAM,
     BEST_OF_N,
@@ -39,7 +40,6 @@ from kubestar.search.solve import (
 )
 
 if TYPE_CHECKING:
-    from kubestar.search.mcts import Scorer
     from kubestar.search.ppm_data import Encode
     from kubestar.search.solve import Solved, SolverStack, SolveSettings
     from kubestar.search.steps import StepFormat
@@ -54,47 +54,6 @@ def step_format(name: str) -> StepFormat:
     from kubestar.search.steps import RStarFormat, ToolCallFormat
 
     return RStarFormat() if name == "rstar" else ToolCallFormat()
-
-
-@dataclass(frozen=True)
-class PpmSource:
-    """Where the PPM is: a folder to serve in this process, or a running scoring service."""
-
-    folder: str = ""
-    endpoint: str = ""
-    device: str = "auto"
-    tokenizer_sha256: str = ""  # of the policy's tokenizer: the PPM must read ids alike
-
-
-@asynccontextmanager
-async def ppm_scorer(source: PpmSource, encode: Encode) -> AsyncIterator[Scorer | None]:
-    """The PPM as the search's Scorer (None without one); a folder is served on a free port
-    of 127.0.0.1 for as long as the block runs."""
-    from kubestar.common.net import check_grpc_serving
-    from kubestar.scoring.client import PpmScorer, ScoringClient
-
-    if not source.folder and not source.endpoint:
-        yield None
-        return
-    server = None
-    endpoint, token = source.endpoint, None
-    if source.folder:
-        from kubestar.scoring.server import ScoringServer, ServerConfig
-
-        server = ScoringServer(
-            ServerConfig(model=source.folder, listen="127.0.0.1:0", device=source.device)
-        )
-        await server.start()
-        endpoint, token = f"127.0.0.1:{server.port}", ""
-    else:
-        await check_grpc_serving(endpoint, "--ppm-endpoint")
-    client = ScoringClient(endpoint, timeout=600.0, token=token)
-    try:
-        yield PpmScorer(client, encode, source.tokenizer_sha256)
-    finally:
-        await client.close()
-        if server is not None:
-            await server.stop(grace_seconds=1.0)
 
 
 @asynccontextmanager

@@ -122,7 +122,7 @@ async def search_problems(
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Solve `problems` as the spec asks (see the module docstring); returns the figures
     (`search_figures`) and every problem's tree record."""
-    from kubestar.cli.solve import PpmSource, ppm_scorer
+    from kubestar.scoring.source import PpmSource, ppm_scorer
 
     started = time.monotonic()
     limits = call_limits or CallLimitsSpec()
