@@ -233,7 +233,8 @@ def _resolve(name: str, setting: str) -> Path:
     from kubestar.engine.models import resolve_model
 
     try:
-        return resolve_model(name)
+        # Absolute: round.json and a policy's lineage are read from other folders later.
+        return resolve_model(name).absolute()
     except (FileNotFoundError, RuntimeError, ImportError, ValueError) as error:
         raise SettingError(setting, str(error)) from None
 
@@ -244,7 +245,7 @@ def starting_checkpoint(policy: Path) -> Path:
     lineage = policy / LINEAGE
     with contextlib.suppress(OSError, ValueError, AttributeError):
         base = Path(str(json.loads(lineage.read_text())["base"]))
-        if (base / "config.json").exists():
+        if base.is_absolute() and (base / "config.json").exists():
             return base
     return policy
 
