@@ -802,6 +802,22 @@ def tool_calls_answered_during_rollout(
     return wait_for(f"tool calls in step {step}'s rollout", seen, 300, interval=0.2) == "calls"
 
 
+def weights_loaded(scheduler_log: str) -> list[int]:
+    """The weights versions a rollout scheduler's log (JSON lines) says it took."""
+    versions: list[int] = []
+    for line in scheduler_log.splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(entry, dict) and entry.get("msg") in (
+            "weights updated",
+            "weights recorded with no engine up",
+        ):
+            versions.append(int(entry["version"]))
+    return versions
+
+
 def checkpoint_host_dir(settings: Settings) -> Path:
     """The node's checkpoint folder, where the fault tests read the trainer's metrics log
     and mount a small volume: this machine is the node only on the local cluster."""
@@ -817,8 +833,10 @@ def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
 ) -> None:
     """Delete the trainer pod while step 2 rolls out, the scheduler pod while step 4's
     weights are pushed, the sandbox dispatcher pod while a later step's tool calls run: the
-    run succeeds, each step is in the metrics log once, no rollout sampled from weights older
-    than the previous step's, and the cost of each fault is in the notes."""
+    run succeeds, each step is in the metrics log once and the status's step never falls, no
+    rollout sampled from weights older than the previous step's, the dispatcher's deletion
+    spoiled calls in flight, the replacement scheduler got the weights by a push tried again,
+    and the cost of each fault is in the notes and the suite's figures."""
     host_dir = checkpoint_host_dir(settings)
     tools.kubectl_text("apply", "-n", settings.namespace, "-f", str(MANIFESTS / "faults-run.yaml"))
     faults = Injector(tools, settings.namespace, FAULTS)
@@ -877,6 +895,34 @@ def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1)), steps
     # Step N's rollouts sampled from weights N-1 (version 0: the SFT model).
     assert [s["oldest_weights_version"] for s in steps] == list(range(STEPS)), steps
+    # The status never went back: its step never fell (a restarted trainer reports the step
+    # the run had reached, then its checkpoint's), and its phases came in order, once each.
+    seen_steps = [status.get("step", 0) for _, status in recorder.statuses]
+    assert seen_steps == sorted(seen_steps), seen_steps
+    phases = recorder.phases()
+    order = ["Pending", "Provisioning", "SFT", "Training", "Succeeded"]
+    assert set(phases) <= set(order), phases
+    assert phases == sorted(set(phases), key=order.index), phases
+
+    fault = {f.name: f for f in faults.faults}
+    # The dispatcher's deletion hit tool calls in flight: the step's rollout was thrown away
+    # and rolled out again, or trajectories the lost calls spoiled were left out.
+    hit = steps[fault["dispatcher"].step - 1]
+    assert hit["rollout_attempts"] > 1 or hit["spoiled"] > 0, hit
+    # The scheduler's deletion during the push of weights vN: the replacement started with
+    # none and got vN again, by the push's next try or by the check before step N+1's
+    # rollouts (the trainer counts both in the metrics log), as its own log says.
+    version = int(fault["scheduler"].when.removeprefix("pushing weights v"))
+    pushed, rolled_out = steps[version - 1], steps[version]
+    assert pushed["weights_push_attempts"] > 1 or rolled_out["weights_pushed_again"] > 0, (
+        pushed,
+        rolled_out,
+    )
+    replacement = faults.running_pod(f"{INSTANCE}={FLEET}", f"{COMPONENT}=scheduler")
+    assert replacement != fault["scheduler"].pod
+    scheduler_log = tools.kubectl_text("logs", replacement, "-n", settings.namespace)
+    (settings.out / f"{replacement}.log").write_text(scheduler_log)
+    assert version in weights_loaded(scheduler_log), scheduler_log[-3000:]
 
     # The deleted pod (gone from the API once it exited) checkpointed step 2; the Job's next
     # pod waited for it to exit, then resumed from that checkpoint.

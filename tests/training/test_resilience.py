@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import pytest
+from aiohttp import web
 from kubestar.api.conditions import ConditionStatus, ConditionType, Reason
 from kubestar.api.trainer_contract import rollouts_condition, trainer_patch
 from kubestar.api.v1alpha1 import ResilienceSpec, RolloutRetry, TrainingRunStatus
@@ -23,6 +24,7 @@ from kubestar.training.generators import ScriptedGenerator
 from kubestar.training.progress import set_rollouts_condition
 from kubestar.training.resilience import (
     InfrastructureFailure,
+    Retries,
     count_spoiled,
     ensure_weights,
     push_weights,
@@ -213,7 +215,9 @@ async def engines() -> AsyncIterator[list[FakeEngine]]:
         await engine.stop()
 
 
-async def start_scheduler(engines: list[FakeEngine], port: int, **config: Any) -> SchedulerServer:
+async def start_scheduler(
+    engines: Sequence[FakeEngine], port: int, **config: Any
+) -> SchedulerServer:
     server = SchedulerServer(
         ServerConfig(
             listen=f"127.0.0.1:{port}",
@@ -271,6 +275,58 @@ async def test_a_push_waits_for_a_scheduler_that_comes_back(engines: list[FakeEn
     finally:
         for server in started:
             await server.stop(grace_seconds=1.0)
+
+
+class FirstReloadHangs(FakeEngine):
+    """An engine whose first weight reload never ends (`reloading` is set when it starts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reloading = asyncio.Event()
+
+    async def _collective_rpc(self, request: web.Request) -> web.StreamResponse:
+        if not self.reloading.is_set():
+            self.reloading.set()
+            await asyncio.Event().wait()  # cancelled when the scheduler lets go of it
+        return await super()._collective_rpc(request)
+
+
+async def test_a_push_the_scheduler_stopped_in_the_middle_is_tried_again() -> None:
+    """The scheduler's pod deleted while the engines reload the pushed weights: the push
+    fails, is tried again against the replacement (on the same address) and counts two
+    tries; the replacement serves the pushed weights."""
+    engines = [FirstReloadHangs(), FirstReloadHangs()]
+    for engine in engines:
+        await engine.start()
+    port = free_port()
+    first = await start_scheduler(engines, port)
+    replacement: list[SchedulerServer] = []
+    retries = Retries()
+
+    async def back_off(seconds: float) -> None:
+        if not replacement:
+            replacement.append(await start_scheduler(engines, port))
+        await retries.sleep(seconds)
+
+    spec = ResilienceSpec(retry_backoff_seconds=1.5, weights_update_attempts=3)
+    try:
+        async with SchedulerClient(f"127.0.0.1:{port}", timeout=10) as client:
+            push = asyncio.create_task(
+                push_weights(client, "/weights/v000004", 4, spec, sleep=back_off)
+            )
+            await asyncio.gather(*(engine.reloading.wait() for engine in engines))
+            await first.stop(grace_seconds=0.5)
+            answer = await asyncio.wait_for(push, 30)
+            status = await client.status()
+        assert retries.count == 1  # two tries
+        assert answer.version == 4 and sorted(answer.engines) == ["e0", "e1"]
+        assert (status.weights_version, status.weights_path) == (4, "/weights/v000004")
+        assert [e.reloads for e in engines] == [["/weights/v000004"]] * 2
+    finally:
+        for server in replacement:
+            await server.stop(grace_seconds=1.0)
+        for engine in engines:
+            await engine.stop()
 
 
 async def test_a_scheduler_that_stays_away_fails_the_run_naming_it() -> None:

@@ -41,4 +41,7 @@ def test_sigterm_checkpoints_the_step_in_progress_and_the_run_resumes(tmp_path: 
 
     second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert [m["step"] for m in rl_steps(tmp_path)] == [1, 2, 3, 4]
+    steps = rl_steps(tmp_path)
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    # Each step's weights were pushed at the first try, and never again (no scheduler lost them).
+    assert [(m["weights_push_attempts"], m["weights_pushed_again"]) for m in steps] == [(1, 0)] * 4

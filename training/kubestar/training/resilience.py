@@ -136,6 +136,17 @@ RETRYABLE = frozenset(
 )
 
 
+@dataclass
+class Retries:
+    """A back-off for `with_retries` (its `sleep`) that counts the tries after the first."""
+
+    count: int = 0
+
+    async def sleep(self, seconds: float) -> None:
+        self.count += 1
+        await asyncio.sleep(seconds)
+
+
 async def with_retries(
     call: Callable[[], Awaitable[T]],
     what: str,

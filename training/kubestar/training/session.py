@@ -36,8 +36,10 @@ from kubestar.api.v1alpha1 import (
     AlgorithmSpec,
     CallLimitsSpec,
     DatasetSpec,
+    Progress,
     RolloutRetry,
     StageSpec,
+    TrainingMetrics,
     TrainingRun,
     TrainingRunStatus,
 )
@@ -148,6 +150,10 @@ class TrainingSession:
         self._steps_timed: list[float] = []
         # The weights the engines should serve (folder, version), once pushed.
         self._weights: tuple[str, int] | None = None
+        # The tries the latest push took, and how often the weights were pushed again to a
+        # scheduler that had lost them in this step's rollouts: in each step's metrics.
+        self._push_attempts = 0
+        self._pushed_again = 0
         self.resumed_from: Path | None = None  # the checkpoint this run resumed from
 
     # -- orchestration ----------------------------------------------------------------------
@@ -277,6 +283,7 @@ class TrainingSession:
                 started = time.monotonic()
                 trajectories: list[Trajectory] = []
                 attempts = 1
+                self._pushed_again = 0
                 if main:
                     attempt = partial(
                         self._rollout,
@@ -303,6 +310,10 @@ class TrainingSession:
                         tokens_per_second=stats.tokens_per_s,
                         world_size=float(self.world.size),  # training processes
                         rollout_attempts=float(attempts),
+                        # A scheduler restart: the push after this step's update tried
+                        # again, or this step's rollouts pushed the weights again first.
+                        weights_push_attempts=float(self._push_attempts),
+                        weights_pushed_again=float(self._pushed_again),
                         # The newest and the oldest weights the step's rollouts sampled
                         # from: the oldest is the previous step's unless an engine served
                         # stale weights.
@@ -346,11 +357,17 @@ class TrainingSession:
         )
 
     def _resume(self, policy: Policy, worker: Any) -> RunState:
+        # A restarted trainer's status keeps the step the run had reached while the
+        # checkpoints are verified, rather than going back to 0.
+        if self.world.main:
+            self._show_logged_step(self.metrics.read())
         # The newest checkpoint that verifies; bad ones are set aside (every rank agrees).
         self._doing("verifying checkpoints", f"the volume at {self.checkpoints}")
         latest = checkpoint.newest_good(self.checkpoints, self.world)
         self.resumed_from = latest
         if latest is None:
+            if self.world.main:
+                self._show_logged_step([])  # starting over
             return RunState()
         state = checkpoint.load(latest, policy)  # sharded: rank 0 reads, every shard loads
         if not self.world.main:
@@ -363,8 +380,8 @@ class TrainingSession:
             extra={"fields": {"checkpoint": str(latest), "global_step": state.global_step}},
         )
         self.metrics.truncate_after(state.global_step)
+        self._show_logged_step(self.metrics.read(), state.global_step)
         self.status.evaluations = evaluations_from_log(self.metrics.read())
-        self.status.step = state.global_step
         self.status.last_checkpoint = str(latest)
         self._push_weights(policy, worker, version=state.global_step, folder=latest / "weights")
         return state
@@ -424,7 +441,8 @@ class TrainingSession:
             folder = policy.save_weights(self.weights_dir / f"v{version:06d}")  # collective
         if not self.world.main:
             return folder
-        ray.get(worker.update_weights.remote(str(folder), version, self.spec.resilience))
+        pushed = ray.get(worker.update_weights.remote(str(folder), version, self.spec.resilience))
+        self._push_attempts = int(pushed.get("attempts", 1))
         self._weights = (str(folder), version)
         # Engines have loaded it: older weight folders are no longer needed.
         for old in self.weights_dir.glob("v*"):
@@ -456,20 +474,44 @@ class TrainingSession:
             }
         )
         self._steps_timed.append(metrics["step_seconds"])
-        recent = self._steps_timed[-5:]
-        left = self.status.total_steps - state.global_step
-        self.status.step = state.global_step
-        self.status.metrics = status_metrics(metrics)
-        self.status.progress = step_progress(
-            state.global_step,
-            self.status.total_steps,
-            left * sum(recent) / len(recent),
-            self.status.metrics,
-        )
-        set_rollouts_condition(self.status)
+        self._show_step(state.global_step, metrics)
         self.reporter.report(self.status)
         if self.progress:
             self.progress(stage.name, state.global_step, self.status.total_steps, metrics)
+
+    def _show_step(self, step: int, metrics: dict[str, float]) -> None:
+        """The status after step `step`: its metrics and the progress (the time left from
+        the last five steps)."""
+        recent = self._steps_timed[-5:]
+        left = self.status.total_steps - step
+        self.status.step = step
+        self.status.metrics = status_metrics(metrics)
+        self.status.progress = step_progress(
+            step,
+            self.status.total_steps,
+            left * sum(recent) / len(recent) if recent else None,
+            self.status.metrics,
+        )
+        set_rollouts_condition(self.status)
+
+    def _show_logged_step(self, entries: list[dict[str, Any]], step: int | None = None) -> None:
+        """The status at step `step` (default: the newest) of a metrics log's RL steps; step
+        0 when there are none."""
+        logged = [e for e in entries if "stage_step" in e]  # RL steps (_record_step's)
+        if step is None:
+            step = int(logged[-1]["step"]) if logged else 0
+        logged = [e for e in logged if e["step"] <= step]
+        self._steps_timed = [float(e["step_seconds"]) for e in logged]
+        if not step:
+            self.status.step = 0
+            self.status.metrics = TrainingMetrics()
+            self.status.progress = Progress()
+            return
+        entry = logged[-1] if logged and logged[-1]["step"] == step else {}
+        if entry:
+            self.status.stage = str(entry["stage"])
+        numbers = {k: float(v) for k, v in entry.items() if isinstance(v, int | float)}
+        self._show_step(step, numbers)
 
     def _evaluate(self, worker: Any, point: str) -> None:
         """Greedy agent-loop rollouts on the held-out problems, then, with
@@ -540,7 +582,8 @@ class TrainingSession:
         self._doing(f"rolling out step {self.status.step + 1}", self._rollout_components())
         if self._weights is not None:
             path, version = self._weights
-            ray.get(worker.ensure_weights.remote(path, version, self.spec.resilience))
+            if ray.get(worker.ensure_weights.remote(path, version, self.spec.resilience)):
+                self._pushed_again += 1
         trajectories, stats = ray.get(
             worker.rollout.remote(
                 problems, samples, self.spec.algorithm.max_turns, max_tokens, self._sampling()

@@ -17,7 +17,7 @@ from kubestar.training.chat import ChatTokenizer
 from kubestar.training.datasets import Problem
 from kubestar.training.executors import SandboxStreamExecutor
 from kubestar.training.generators import Sampling, SchedulerGenerator
-from kubestar.training.resilience import ensure_weights, push_weights
+from kubestar.training.resilience import Retries, ensure_weights, push_weights
 from kubestar.training.rewards import RewardScorer
 from kubestar.training.rollout import AgentLoop, RolloutConfig, RolloutStats, rollout
 from kubestar.training.trajectory import Trajectory
@@ -100,13 +100,18 @@ class RolloutWorker:
     async def update_weights(
         self, weights_path: str, version: int, resilience: ResilienceSpec | None = None
     ) -> dict[str, Any]:
-        """Every engine loads the new weights before the next rollout starts."""
+        """Every engine loads the new weights before the next rollout starts; `attempts`:
+        the tries it took (more than one when the scheduler was away or past the deadline)."""
         spec = resilience or ResilienceSpec()
-        response = await push_weights(self.generator.client, weights_path, version, spec)
+        retries = Retries()
+        response = await push_weights(
+            self.generator.client, weights_path, version, spec, sleep=retries.sleep
+        )
         return {
             "version": response.version,
             "engines": list(response.engines),
             "seconds": response.seconds,
+            "attempts": retries.count + 1,
         }
 
     async def ensure_weights(
