@@ -15,16 +15,21 @@ Environment:
                                (when the suite runs on the node: the local provider), to check
                                the checkpoint's files themselves
 
-The tests of test_journey.py are one journey, in order: when one fails the rest are skipped,
-and the session's end still dumps diagnostics and removes what the suite made.
+The tests of test_journey.py are one journey, in order. Each names what it needs
+(`@needs("chart", "pool", ...)`: RESOURCES) and is skipped, naming the failed test, only when a
+test that sets one of those up or puts it at stake failed (`@provides(...)`, `at_stake`); a
+failed run does not hide the tests that need only the chart, the fleet and the pool. The
+suite's end still writes the notes, dumps diagnostics and removes what the suite made.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,8 +83,16 @@ def tools(settings: Settings) -> Iterator[Tools]:
     except (CommandFailed, FileNotFoundError) as error:
         pytest.exit(f"no cluster reachable with kubectl: {error}", returncode=2)
     yield tools
+    (settings.out / "notes.json").write_text(json.dumps(settings.notes, indent=2, default=str))
     dump_diagnostics(tools, settings)
     clean_up(tools, settings)
+
+
+@pytest.fixture(scope="session")
+def namespace(tools: Tools, settings: Settings) -> str:
+    """The test namespace (it may exist from an earlier attempt)."""
+    tools.kubectl_run("create", "namespace", settings.namespace, check=False)
+    return settings.namespace
 
 
 def dump_diagnostics(tools: Tools, settings: Settings) -> None:
@@ -139,18 +152,76 @@ def clean_up(tools: Tools, settings: Settings) -> None:
         )
 
 
-# --- one journey: a failed step skips the steps after it ----------------------------------
+# --- one journey: a test is skipped when a failed test broke what it needs ----------------
+
+# What the journey's tests set up and share.
+RESOURCES = {
+    "chart": "the chart installed with a leading operator",
+    "fleet": "the journey's RolloutFleet",
+    "pool": "the journey's SandboxPool",
+    "run": "the journey's TrainingRun",
+}
+needs = pytest.mark.needs
+provides = pytest.mark.provides
+# Resource -> the test whose failure broke it; and the first journey test that failed.
+BROKEN = pytest.StashKey[dict[str, str]]()
+FIRST_FAILED = pytest.StashKey[str]()
+
+
+def broken(config: pytest.Config) -> dict[str, str]:
+    return config.stash.setdefault(BROKEN, {})
+
+
+@contextmanager
+def at_stake(request: pytest.FixtureRequest, *resources: str) -> Iterator[None]:
+    """A part of a test (killing the operator, say) whose failure leaves `resources` broken
+    for the tests after it."""
+    unknown = set(resources) - set(RESOURCES)
+    assert not unknown, f"no such journey resource: {sorted(unknown)}"
+    try:
+        yield
+    except pytest.skip.Exception:
+        raise
+    except BaseException:
+        for resource in resources:
+            broken(request.config).setdefault(resource, request.node.name)
+        raise
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for name in ("needs", "provides"):
+            for marker in item.iter_markers(name):
+                unknown = set(marker.args) - set(RESOURCES)
+                if unknown:
+                    raise pytest.UsageError(
+                        f"{item.nodeid}: @{name} names no journey resource: {sorted(unknown)}"
+                    )
 
 
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> None:
-    if call.excinfo is not None and call.when == "call" and "journey" in item.keywords:
-        item.session.__dict__["_e2e_failed"] = item.name
+    failed = call.excinfo is not None and not call.excinfo.errisinstance(pytest.skip.Exception)
+    if not failed or call.when != "call" or "journey" not in item.keywords:
+        return
+    item.config.stash.setdefault(FIRST_FAILED, item.name)
+    for marker in item.iter_markers("provides"):
+        for resource in marker.args:
+            broken(item.config).setdefault(resource, item.name)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    failed = item.session.__dict__.get("_e2e_failed")
-    if failed and "journey" in item.keywords:
-        pytest.skip(f"the journey stopped at {failed}")
+    if "journey" not in item.keywords:
+        return
+    marker = item.get_closest_marker("needs")
+    if marker is None:  # needs whatever came before it
+        failed = item.config.stash.get(FIRST_FAILED, "")
+        if failed:
+            pytest.skip(f"the journey stopped at {failed}")
+        return
+    for resource in marker.args:
+        by = broken(item.config).get(resource)
+        if by:
+            pytest.skip(f"needs {RESOURCES[resource]}, which {by} left broken")
 
 
 # --- figures for bench/RESULTS.md, printed at the end of the suite's output ----------------
@@ -175,3 +246,11 @@ def pytest_terminal_summary(
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "journey: a step of the end-to-end journey (in order)")
+    config.addinivalue_line(
+        "markers",
+        "needs(*resources): the journey's resources (conftest.RESOURCES) the test uses; it is "
+        "skipped when a failed test broke one",
+    )
+    config.addinivalue_line(
+        "markers", "provides(*resources): resources a failure of the test leaves broken"
+    )

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from e2e.tests.conftest import CHART, MANIFESTS, Settings, figures
+from e2e.tests.conftest import CHART, MANIFESTS, Settings, at_stake, figures, needs, provides
 from e2e.tests.faults import (
     COMPONENT,
     INSTANCE,
@@ -129,6 +129,7 @@ def run_in_dispatcher(tools: Tools, settings: Settings, script: str, timeout: fl
 # --- the journey ---------------------------------------------------------------------------
 
 
+@provides("chart")
 def test_helm_install_and_operator_ready(tools: Tools, settings: Settings) -> None:
     started = time.monotonic()
     out = tools.helm(
@@ -165,13 +166,10 @@ def test_helm_install_and_operator_ready(tools: Tools, settings: Settings) -> No
     settings.notes["helm_install_to_leader_s"] = round(time.monotonic() - started, 1)
 
 
-def test_apply_pool_fleet_and_run(tools: Tools, settings: Settings) -> None:
-    tools.kubectl_run(
-        "create", "namespace", settings.namespace, check=False
-    )  # may exist from an earlier attempt
-    out = tools.kubectl_text(
-        "apply", "-n", settings.namespace, "-f", str(MANIFESTS / "tiny-run.yaml")
-    )
+@needs("chart")
+@provides("fleet", "pool", "run")
+def test_apply_pool_fleet_and_run(tools: Tools, settings: Settings, namespace: str) -> None:
+    out = tools.kubectl_text("apply", "-n", namespace, "-f", str(MANIFESTS / "tiny-run.yaml"))
     (settings.out / "kubectl-apply.txt").write_text(out)
     assert f"trainingrun.kubestar.dev/{RUN} created" in out, out
     # What a user watches: recorded line by line for the README.
@@ -193,6 +191,8 @@ def test_apply_pool_fleet_and_run(tools: Tools, settings: Settings) -> None:
     assert spec_accepted is not None and spec_accepted["status"] == "True"
 
 
+@needs("chart")
+@pytest.mark.usefixtures("namespace")
 def test_invalid_trainingrun_is_rejected_naming_the_field(tools: Tools, settings: Settings) -> None:
     bad_group = (MANIFESTS / "invalid-run.yaml").read_text()
     done = tools.kubectl_run(
@@ -219,6 +219,7 @@ def test_invalid_trainingrun_is_rejected_naming_the_field(tools: Tools, settings
     assert tools.get("trainingrun", "e2e-invalid", settings.namespace) is None
 
 
+@needs("chart", "pool")
 def test_image_that_cannot_be_pulled_is_a_condition(tools: Tools, settings: Settings) -> None:
     text = (MANIFESTS / "broken-image.yaml").read_text().replace("MISSING_IMAGE", MISSING_IMAGE)
     tools.kubectl_text("apply", "-n", settings.namespace, "-f", "-", input_text=text)
@@ -274,7 +275,10 @@ def test_image_that_cannot_be_pulled_is_a_condition(tools: Tools, settings: Sett
         )
 
 
-def test_operator_killed_mid_run_recovers(tools: Tools, settings: Settings) -> None:
+@needs("chart", "run")
+def test_operator_killed_mid_run_recovers(
+    tools: Tools, settings: Settings, request: pytest.FixtureRequest
+) -> None:
     assert Journey.recorder is not None
     wait_for(
         "the run to reach SFT or Training",
@@ -285,26 +289,30 @@ def test_operator_killed_mid_run_recovers(tools: Tools, settings: Settings) -> N
     )
     phase = run_status(tools, settings)["phase"]
     assert phase != "Succeeded", "the run finished before the operator could be killed"
-    (old,) = operator_pods(tools, settings)
-    old_name = old["metadata"]["name"]
-    tools.kubectl_text("delete", "pod", old_name, "-n", settings.system_namespace, "--wait=false")
-    settings.notes["operator_killed_in_phase"] = phase
-    (new,) = wait_for(
-        "a new Ready operator pod",
-        lambda: [
-            p
-            for p in operator_pods(tools, settings)
-            if p["metadata"]["name"] != old_name and pod_ready(p)
-        ],
-        timeout=240,
-        interval=2,
-    )
-    wait_for(
-        "the new operator to become leader",
-        lambda: leader_logged(tools, settings, new["metadata"]["name"]),
-        timeout=180,
-        interval=2,
-    )
+    # A new operator that never leads leaves the chart broken for the tests after this one.
+    with at_stake(request, "chart"):
+        (old,) = operator_pods(tools, settings)
+        old_name = old["metadata"]["name"]
+        tools.kubectl_text(
+            "delete", "pod", old_name, "-n", settings.system_namespace, "--wait=false"
+        )
+        settings.notes["operator_killed_in_phase"] = phase
+        (new,) = wait_for(
+            "a new Ready operator pod",
+            lambda: [
+                p
+                for p in operator_pods(tools, settings)
+                if p["metadata"]["name"] != old_name and pod_ready(p)
+            ],
+            timeout=240,
+            interval=2,
+        )
+        wait_for(
+            "the new operator to become leader",
+            lambda: leader_logged(tools, settings, new["metadata"]["name"]),
+            timeout=180,
+            interval=2,
+        )
     Journey.operator_pod = new["metadata"]["name"]
 
 
@@ -345,18 +353,22 @@ def dispatcher_metrics(tools: Tools, settings: Settings) -> dict[str, float]:
     return values
 
 
-def test_sandbox_worker_killed_mid_batch_loses_no_call(tools: Tools, settings: Settings) -> None:
-    wait_for(
-        "the SandboxPool to be Ready",
-        lambda: (
-            (condition(tools.get("sandboxpool", POOL, settings.namespace), "Ready") or {}).get(
-                "status"
-            )
-            == "True"
-        ),
-        timeout=300,
-        interval=2,
-    )
+@needs("chart", "pool")
+def test_sandbox_worker_killed_mid_batch_loses_no_call(
+    tools: Tools, settings: Settings, request: pytest.FixtureRequest
+) -> None:
+    with at_stake(request, "pool"):  # a pool that never serves, or loses its worker for good
+        wait_for(
+            "the SandboxPool to be Ready",
+            lambda: (
+                (condition(tools.get("sandboxpool", POOL, settings.namespace), "Ready") or {}).get(
+                    "status"
+                )
+                == "True"
+            ),
+            timeout=300,
+            interval=2,
+        )
     calls = 16
     before = dispatcher_metrics(tools, settings)
     (worker,) = tools.items(
@@ -415,21 +427,22 @@ def test_sandbox_worker_killed_mid_batch_loses_no_call(tools: Tools, settings: S
     bad = [r for r in results if r["status"] != "ok" or r["stdout"].strip() != str(r["i"] ** 2)]
     assert not bad, bad
     # The worker really was replaced, and the dispatcher started lost calls again.
-    (new_worker,) = wait_for(
-        "the replacement worker pod",
-        lambda: [
-            p
-            for p in tools.items(
-                "pods",
-                settings.namespace,
-                f"app.kubernetes.io/instance={POOL}",
-                "app.kubernetes.io/component=sandbox-worker",
-            )
-            if pod_ready(p)
-        ],
-        timeout=300,
-        interval=2,
-    )
+    with at_stake(request, "pool"):
+        (new_worker,) = wait_for(
+            "the replacement worker pod",
+            lambda: [
+                p
+                for p in tools.items(
+                    "pods",
+                    settings.namespace,
+                    f"app.kubernetes.io/instance={POOL}",
+                    "app.kubernetes.io/component=sandbox-worker",
+                )
+                if pod_ready(p)
+            ],
+            timeout=300,
+            interval=2,
+        )
     assert new_worker["metadata"]["uid"] != worker_uid
     after = dispatcher_metrics(tools, settings)
     settings.notes["dispatcher_metrics_after_kill"] = after
@@ -480,6 +493,7 @@ asyncio.run(main())
 """
 
 
+@needs("chart", "fleet", "pool")
 def test_tool_calls_reach_nothing_from_the_sandbox(tools: Tools, settings: Settings) -> None:
     """From a tool call in the chart's sandbox pod (isolation Required, the default), the API
     server, the rollout scheduler, an engine and the dispatcher cannot be reached, though the
@@ -564,6 +578,7 @@ asyncio.run(main())
 """
 
 
+@needs("chart", "fleet", "pool")
 def test_the_planes_refuse_calls_without_the_installations_token(
     tools: Tools, settings: Settings
 ) -> None:
@@ -622,6 +637,7 @@ print(json.dumps({{"status": status, "fusion": fusion["status"],
 """
 
 
+@needs("chart", "pool")
 def test_the_pool_speaks_sandboxfusion_and_code_judge(tools: Tools, settings: Settings) -> None:
     """From a pod of the namespace, with the token as a URL's Basic credentials (what verl's
     client sends): the pool's dispatcher answers SandboxFusion's /run_code and code-judge's
@@ -665,6 +681,7 @@ print(json.dumps({{
 """
 
 
+@needs("chart", "fleet", "pool")
 def test_the_fleet_is_one_openai_endpoint(tools: Tools, settings: Settings) -> None:
     """The openai package, from a pod of the namespace, against the fleet's OpenAI-compatible
     API (the scheduler's, in front of the vLLM engine): the model is listed, a chat turn
@@ -681,6 +698,7 @@ def test_the_fleet_is_one_openai_endpoint(tools: Tools, settings: Settings) -> N
     assert seen["refused"] is True, seen
 
 
+@needs("chart", "fleet", "pool", "run")
 def test_run_succeeds_with_step_metrics_and_checkpoint(tools: Tools, settings: Settings) -> None:
     recorder = Journey.recorder
     assert recorder is not None
@@ -828,6 +846,7 @@ def checkpoint_host_dir(settings: Settings) -> Path:
     return settings.checkpoint_host_dir
 
 
+@needs("chart", "fleet", "pool")
 def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
     tools: Tools, settings: Settings, request: pytest.FixtureRequest
 ) -> None:
@@ -946,6 +965,7 @@ def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
     assert re.search(r"resuming from \S+/step-000002 \(step 2\)", log), log[-3000:]
 
 
+@needs("chart", "fleet", "pool")
 def test_a_full_checkpoint_volume_fails_the_run_naming_it(tools: Tools, settings: Settings) -> None:
     """A run whose checkpoint claim is a 16 MiB tmpfs fails at its first weights with
     CheckpointVolumeFull naming the claim, and its Job does not retry (Kubernetes 1.20 has
@@ -1015,6 +1035,7 @@ def test_a_full_checkpoint_volume_fails_the_run_naming_it(tools: Tools, settings
         subprocess.run(["umount", str(folder)], check=False)
 
 
+@needs("chart", "pool")
 def test_a_pool_without_the_isolation_it_needs_is_not_ready(
     tools: Tools, settings: Settings
 ) -> None:
@@ -1058,6 +1079,7 @@ def test_a_pool_without_the_isolation_it_needs_is_not_ready(
     assert workers and not any(pod_ready(pod) for pod in workers), workers
 
 
+@needs("chart", "fleet", "pool", "run")
 def test_delete_collects_every_child(tools: Tools, settings: Settings) -> None:
     def children() -> list[str]:
         items = tools.items(CHILD_KINDS, settings.namespace, MANAGED)
@@ -1092,6 +1114,7 @@ def test_delete_collects_every_child(tools: Tools, settings: Settings) -> None:
     assert not tools.items("kubestar", settings.namespace)
 
 
+@needs("chart")
 def test_helm_uninstall(tools: Tools, settings: Settings) -> None:
     tools.helm("uninstall", settings.release, "-n", settings.system_namespace, "--wait")
     settings.installed = False
@@ -1104,4 +1127,3 @@ def test_helm_uninstall(tools: Tools, settings: Settings) -> None:
         interval=2,
     )
     tools.kubectl_text("delete", "namespace", settings.namespace, "--wait=true", timeout=300)
-    (settings.out / "notes.json").write_text(json.dumps(settings.notes, indent=2, default=str))
