@@ -15,10 +15,11 @@ from kubestar.api.v1alpha1 import (
     TrainingRunSpec,
     load_manifests,
 )
-from kubestar.cli.sandbox import serve_command
+from kubestar.cli.sandbox import call_policy, serve_command
 from kubestar.operator import build_fleet, build_sandbox, build_trainer
 from kubestar.operator import objects as o
 from kubestar.operator.settings import OperatorSettings
+from kubestar.sandbox.limits import LimitPolicy, MiB
 from pydantic import ValidationError
 
 from tests.operator.support import EXAMPLES, parent
@@ -109,6 +110,63 @@ def test_sandbox_pods_are_locked_down() -> None:
     assert dispatcher["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
     assert build_sandbox.endpoint("pool", "team", spec, OperatorSettings()) == (
         "pool-sandbox.team.svc.cluster.local:50051"
+    )
+
+
+def test_sandbox_servers_get_the_pools_call_limits_as_defaults() -> None:
+    """spec.limits reach the workers and the dispatcher as the defaults of calls that set no
+    limit (the HTTP dialects, `kubestar sandbox exec`), and a change of them rolls the pods."""
+    pool = parent("SandboxPool", "pool")
+    spec = SandboxPoolSpec.model_validate(
+        {
+            "httpPort": 8080,
+            "limits": {"timeoutSeconds": 2.5, "memoryMib": 1024, "outputBytes": 4096},
+        }
+    )
+    settings = OperatorSettings()
+    workers = build_sandbox.worker_statefulset(pool, spec, settings)
+    dispatcher = build_sandbox.dispatcher_deployment(pool, spec, settings)
+    for server in (workers, dispatcher):
+        command = containers(server)[0]["command"]
+        context = serve_command.make_context("serve", command[3:])
+        assert context.params["call_timeout"] == 2.5
+        assert context.params["call_memory_mib"] == 1024
+        assert context.params["call_max_output_bytes"] == 4096
+
+    changed = spec.model_copy(
+        update={"limits": spec.limits.model_copy(update={"timeout_seconds": 30.0})}
+    )
+    for build in (build_sandbox.worker_statefulset, build_sandbox.dispatcher_deployment):
+        before, after = build(pool, spec, settings), build(pool, changed, settings)
+        assert before["spec"]["template"] != after["spec"]["template"]
+        command = containers(after)[0]["command"]
+        assert command[command.index("--call-timeout") + 1] == "30"
+
+
+def test_the_pools_call_limits_stay_within_the_sandboxs_ceilings() -> None:
+    """The most spec.limits allows is what a sandbox server takes as a default: a pool the
+    API server accepts never has workers that refuse to start over its limits."""
+    ceiling = LimitPolicy().maximum
+    highest = SandboxPoolSpec.model_validate(
+        {
+            "limits": {
+                "timeoutSeconds": ceiling.timeout_seconds,
+                "memoryMib": ceiling.memory_bytes // MiB,
+                "outputBytes": ceiling.output_bytes,
+            }
+        }
+    )
+    for name, value in highest.limits.model_dump(by_alias=True).items():
+        with pytest.raises(ValidationError, match=name):
+            SandboxPoolSpec.model_validate({"limits": {name: value + 1}})
+    command = containers(
+        build_sandbox.worker_statefulset(parent("SandboxPool", "pool"), highest, OperatorSettings())
+    )[0]["command"]
+    context = serve_command.make_context("serve", command[3:])
+    call_policy(
+        context.params["call_timeout"],
+        context.params["call_memory_mib"],
+        context.params["call_max_output_bytes"],
     )
 
 

@@ -72,7 +72,9 @@ class CallLimitsSpec(Spec):
     memory_mib: int = Field(
         512,
         ge=16,
-        le=65536,
+        # The sandbox's ceiling (kubestar.sandbox.limits.LimitPolicy): a worker refuses to
+        # start with a default above it.
+        le=8192,
         description="Memory a call may allocate, in MiB; beyond it the call fails with a "
         "MemoryError.",
     )

@@ -10,7 +10,9 @@ exactly the capabilities its executors use, and each call runs as a uid of its o
 with UserNamespace it runs as non-root with no capabilities. Workers listen on
 `spec.port + 1`, the dispatcher on `spec.port`. With the installation's token
 (settings.auth) both mount the pool's copy of it (a Secret): the dispatcher requires it of
-its callers and sends it to the workers, which require it too.
+its callers and sends it to the workers, which require it too. Both get spec.limits as the
+defaults of calls that set no limit of their own (`--call-timeout`, `--call-memory-mib`,
+`--call-max-output-bytes`).
 
 A worker that cannot isolate its calls (spec.isolation: Required) exits with one line in its
 termination message, which the kubelet puts in the pod's status and the SandboxPool's Ready
@@ -94,6 +96,21 @@ def _pod_security(settings: OperatorSettings) -> o.Obj:
     if settings.sandbox.seccomp_runtime_default:
         security["seccompProfile"] = {"type": "RuntimeDefault"}
     return security
+
+
+def call_limit_args(spec: SandboxPoolSpec) -> list[str]:
+    """spec.limits as the defaults of every call that leaves a limit unset (the HTTP
+    dialects, `kubestar sandbox exec`, a gRPC call with limits at 0): a worker and the
+    dispatcher both get them, so a change of spec.limits rolls their pods."""
+    limits = spec.limits
+    return [
+        "--call-timeout",
+        f"{limits.timeout_seconds:g}",
+        "--call-memory-mib",
+        str(limits.memory_mib),
+        "--call-max-output-bytes",
+        str(limits.output_bytes),
+    ]
 
 
 def worker_runs_as_root(spec: SandboxPoolSpec, settings: OperatorSettings) -> bool:
@@ -184,6 +201,7 @@ def worker_statefulset(
         str(metrics),
         "--metrics-address",
         bind,
+        *call_limit_args(spec),
     ]
     if spec.isolation == "Disabled":
         args.append("--no-isolation")
@@ -253,6 +271,7 @@ def dispatcher_deployment(
         str(metrics),
         "--metrics-address",
         bind,
+        *call_limit_args(spec),
     ]
     if spec.http_port:
         # SandboxFusion's and code-judge's HTTP dialects, next to gRPC.

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import sys
+from dataclasses import replace
 from typing import TextIO
 
 import click
@@ -12,8 +14,10 @@ from kubestar.cli.errors import describe
 from kubestar.cli.options import auth_token_file_option
 from kubestar.common import logs
 from kubestar.common.auth import load_token
+from kubestar.common.errors import KubestarError
 from kubestar.sandbox.client import Call, SandboxClient, result_to_dict
 from kubestar.sandbox.executor import DEFAULT_WARMUP, ExecutorConfig
+from kubestar.sandbox.limits import CallLimits, LimitPolicy, MiB
 from kubestar.sandbox.metrics import status_label
 from kubestar.sandbox.server import ServerConfig, serve
 from kubestar.v1 import sandbox_pb2 as pb
@@ -102,6 +106,29 @@ def sandbox() -> None:
     "(POST /run/long-batch, /run/batch, /run) at HOST:PORT, on the same executors or workers, "
     "limits and token (off by default).",
 )
+@click.option(
+    "--call-timeout",
+    default=CallLimits.timeout_seconds,
+    show_default=True,
+    help="Seconds a call may run when it does not set its own time limit (a gRPC call's "
+    "limits.timeout_seconds 0, an HTTP call without run_timeout); a SandboxPool's "
+    f"spec.limits.timeoutSeconds. At most {LimitPolicy.maximum.timeout_seconds:g}.",
+)
+@click.option(
+    "--call-memory-mib",
+    default=CallLimits.memory_bytes // MiB,
+    show_default=True,
+    help="MiB a call may allocate when it does not set its own memory limit; a SandboxPool's "
+    f"spec.limits.memoryMib. At most {LimitPolicy.maximum.memory_bytes // MiB}.",
+)
+@click.option(
+    "--call-max-output-bytes",
+    default=CallLimits.output_bytes,
+    show_default=True,
+    help="Bytes a call may write to stdout, and to stderr, when it does not set its own "
+    "output limit; a SandboxPool's spec.limits.outputBytes. At most "
+    f"{LimitPolicy.maximum.output_bytes}.",
+)
 @auth_token_file_option()
 @click.option("--log-level", default="info", show_default=True)
 def serve_command(
@@ -120,11 +147,24 @@ def serve_command(
     drain_seconds: float,
     termination_log: str | None,
     http_listen: str,
+    call_timeout: float,
+    call_memory_mib: int,
+    call_max_output_bytes: int,
     auth_token_file: str | None,
     log_level: str,
 ) -> None:
-    """Serve the sandbox: a worker (default) or, with --worker, a dispatcher."""
+    """Serve the sandbox: a worker (default) or, with --worker, a dispatcher.
+
+    The --call-* limits apply to every call that leaves that limit unset, on a worker and on
+    a dispatcher (which sends them on to its workers), over gRPC and the HTTP dialects.
+    """
     logs.configure(log_level)
+    try:
+        policy = call_policy(call_timeout, call_memory_mib, call_max_output_bytes)
+    except CallDefaultRefused as error:
+        if termination_log:
+            write_termination_message(termination_log, error)
+        raise
     modules = tuple(m for m in preload.split(",") if m)
     executor = ExecutorConfig(
         preload=modules,
@@ -135,6 +175,7 @@ def serve_command(
         syscall_filter=not no_syscall_filter,
         uid_base=uid_base,
         hidden_paths=hide,
+        policy=policy,
     )
     config = ServerConfig(
         listen=listen,
@@ -154,6 +195,39 @@ def serve_command(
         if termination_log:
             write_termination_message(termination_log, error)
         raise
+
+
+class CallDefaultRefused(KubestarError):
+    """A --call-* default that is not a positive value within the sandbox's ceiling."""
+
+
+def call_policy(timeout_seconds: float, memory_mib: int, output_bytes: int) -> LimitPolicy:
+    """The server's limit policy with these defaults for calls that set no limit of their
+    own; CallDefaultRefused (one line, naming the flag) for a value out of range."""
+    ceiling = LimitPolicy().maximum
+    checks = [
+        ("--call-timeout", timeout_seconds, ceiling.timeout_seconds, "seconds"),
+        ("--call-memory-mib", memory_mib, ceiling.memory_bytes // MiB, "MiB"),
+        ("--call-max-output-bytes", output_bytes, ceiling.output_bytes, "bytes"),
+    ]
+    for flag, value, maximum, unit in checks:
+        if not (math.isfinite(value) and 0 < value <= maximum):
+            raise CallDefaultRefused(
+                f"{flag} {_number(value)} must be more than 0 and at most this sandbox's "
+                f"maximum of {_number(maximum)} {unit}"
+            )
+    return replace(
+        LimitPolicy(),
+        default=CallLimits(
+            timeout_seconds=float(timeout_seconds),
+            memory_bytes=memory_mib * MiB,
+            output_bytes=output_bytes,
+        ),
+    )
+
+
+def _number(value: float) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def write_termination_message(path: str, error: Exception) -> None:

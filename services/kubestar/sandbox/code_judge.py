@@ -14,8 +14,9 @@ every attempt) or `invalid_input` (not run: a type other than python, a solution
 the sandbox's limits). For these last three `stderr` says why (code-judge leaves it null
 and logs the reason).
 
-Every submission runs with the sandbox server's default limits (10 s and 512 MiB), as
-code-judge runs each with its own server's (MAX_EXECUTION_TIME, MAX_MEMORY). code-judge
+Every submission runs with the sandbox server's default limits (`--call-timeout`,
+`--call-memory-mib`, `--call-max-output-bytes`: in a cluster, the SandboxPool's spec.limits),
+as code-judge runs each with its own server's (MAX_EXECUTION_TIME, MAX_MEMORY). code-judge
 declares `options` (an object of strings) but reads none of it, so nothing in it can change a
 limit: an empty or absent `options` is accepted, and a submission that sets any option is
 refused (422, naming it) rather than run as if it had not.

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kubestar.common.auth import call_metadata
 from kubestar.sandbox import metrics
 from kubestar.sandbox.backend import Backend, make_result, validate
-from kubestar.sandbox.limits import LimitPolicy, message_options
+from kubestar.sandbox.limits import CallLimits, LimitPolicy, message_options
 from kubestar.v1 import sandbox_pb2 as pb
 from kubestar.v1 import sandbox_pb2_grpc as pb_grpc
 
@@ -224,11 +224,14 @@ class WorkerDispatcher(Backend):
     async def execute(self, execution: pb.Execution) -> pb.ExecutionResult:
         started = time.monotonic()
         try:
-            validate(execution, self.policy)
+            limits = validate(execution, self.policy)
         except ValueError as error:
             return self._finish(
                 make_result(execution.id, pb.EXECUTION_STATUS_INVALID, str(error)), started
             )
+        # The limits it left unset become this dispatcher's defaults (--call-*: a pool's
+        # spec.limits) before the call goes to a worker, whatever that worker's own are.
+        execution = with_limits(execution, limits)
         if self._draining:
             return self._finish(
                 make_result(
@@ -325,3 +328,13 @@ class WorkerDispatcher(Backend):
             queued=self._queued,
             ready_workers=len(ready),
         )
+
+
+def with_limits(execution: pb.Execution, limits: CallLimits) -> pb.Execution:
+    """A copy of `execution` that sets every limit, as resolved by the dispatcher."""
+    resolved = pb.Execution()
+    resolved.CopyFrom(execution)
+    resolved.limits.timeout_seconds = limits.timeout_seconds
+    resolved.limits.memory_bytes = limits.memory_bytes
+    resolved.limits.output_bytes = limits.output_bytes
+    return resolved

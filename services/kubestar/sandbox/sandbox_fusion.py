@@ -1,10 +1,12 @@
 """SandboxFusion's dialect (bytedance/SandboxFusion), as verl's sandbox-fusion reward utilities
 and tools call it: `POST /run_code` and `GET /v1/ping`.
 
-A request: `code`, `language`, `run_timeout` (seconds, default 10), `compile_timeout` (no
-compile step for Python: checked, then unused), `memory_limit_MB` (-1 or 0: the server's
-default), `stdin`, `files` (path -> base64 content, written into the call's working directory
-before the code runs) and `fetch_files` (paths read back after it ran, returned base64 in
+A request: `code`, `language`, `run_timeout` (seconds; absent: the server's default,
+`--call-timeout`, which the operator sets to the SandboxPool's spec.limits.timeoutSeconds),
+`compile_timeout` (no compile step for Python: checked, then unused), `memory_limit_MB` (-1, 0
+or absent: the server's default, `--call-memory-mib`: spec.limits.memoryMib), `stdin`,
+`files` (path -> base64 content, written into the call's working directory before the code
+runs) and `fetch_files` (paths read back after it ran, returned base64 in
 `files`). Python only: any other language is answered `SandboxError`, saying so.
 
 The answer's `status`: `Success` (ran and exited 0), `Failed` (the code failed: non-zero exit,
@@ -46,7 +48,7 @@ from kubestar.sandbox.http_front import (
 from kubestar.sandbox.limits import MiB
 from kubestar.v1 import sandbox_pb2 as pb
 
-# SandboxFusion's defaults.
+# SandboxFusion's default compile timeout (checked, then unused).
 DEFAULT_TIMEOUT_SECONDS = 10.0
 LANGUAGE = "python"
 
@@ -116,7 +118,9 @@ async def handle_run_code(runner: Runner, payload: Any) -> dict[str, Any]:
     body = an_object(payload, ())
     code = string(body, "code", required=True) or ""
     language = string(body, "language", required=True)
-    run_timeout = number(body, "run_timeout", DEFAULT_TIMEOUT_SECONDS)
+    # Absent: the server's default (--call-timeout: a SandboxPool's spec.limits), where
+    # SandboxFusion's own server has 10 s.
+    run_timeout = number(body, "run_timeout", 0.0)
     number(body, "compile_timeout", DEFAULT_TIMEOUT_SECONDS)  # checked; Python compiles nothing
     memory_mb = integer(body, "memory_limit_MB", -1)
     stdin = string(body, "stdin") or ""
@@ -124,7 +128,7 @@ async def handle_run_code(runner: Runner, payload: Any) -> dict[str, Any]:
     fetch_files = string_list(body, "fetch_files")
     limits = Limits(
         timeout_seconds=run_timeout,
-        timeout_field="run_timeout",
+        timeout_field="run_timeout" if "run_timeout" in body else "",
         memory_bytes=max(memory_mb, 0) * MiB,
         memory_field="memory_limit_MB",
     )
