@@ -853,9 +853,10 @@ def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
     """Delete the trainer pod while step 2 rolls out, the scheduler pod while step 4's
     weights are pushed, the sandbox dispatcher pod while a later step's tool calls run: the
     run succeeds, each step is in the metrics log once and the status's step never falls, no
-    rollout sampled from weights older than the previous step's, the dispatcher's deletion
-    spoiled calls in flight, the replacement scheduler got the weights by a push tried again,
-    and the cost of each fault is in the notes and the suite's figures."""
+    rollout sampled from weights older than the previous step's, the step whose tool calls
+    the deleted dispatcher was answering is trained once, the replacement scheduler got the
+    weights by a push tried again, and the cost of each fault is in the notes and the
+    suite's figures."""
     host_dir = checkpoint_host_dir(settings)
     tools.kubectl_text("apply", "-n", settings.namespace, "-f", str(MANIFESTS / "faults-run.yaml"))
     faults = Injector(tools, settings.namespace, FAULTS)
@@ -924,10 +925,10 @@ def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
     assert phases == sorted(set(phases), key=order.index), phases
 
     fault = {f.name: f for f in faults.faults}
-    # The dispatcher's deletion hit tool calls in flight: the step's rollout was thrown away
-    # and rolled out again, or trajectories the lost calls spoiled were left out.
-    hit = steps[fault["dispatcher"].step - 1]
-    assert hit["rollout_attempts"] > 1 or hit["spoiled"] > 0, hit
+    # The dispatcher was deleted while it answered the step's tool calls: the step is in the
+    # log once (above). A deleted dispatcher drains the calls in flight before it exits, so
+    # usually nothing is lost; a call that is lost spoils its trajectory, which stays out of
+    # the groups, and too many spoiled roll the step out again (both in faults-cost.json).
     # The scheduler's deletion during the push of weights vN: the replacement started with
     # none and got vN again, by the push's next try or by the check before step N+1's
     # rollouts (the trainer counts both in the metrics log), as its own log says.
