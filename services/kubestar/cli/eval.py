@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from click.core import ParameterSource
 from kubestar.cli.options import local_services_options
-from kubestar.cli.solve import search_options, search_services, solver_stack
+from kubestar.cli.solve import SolvedTally, search_options, search_services, solver_stack
 from kubestar.scoring.source import PpmSource
 from kubestar.search.solve import BEAM, GREEDY, MCTS_MODE, MODES, SCORED_MODES
 
@@ -554,21 +554,15 @@ async def run_search_sweep(
         file=sys.stderr,
         dynamic_ncols=True,
     )
-    current: dict[str, Any] = {"point": None, "done": 0, "correct": 0, "tokens": 0}
+    tally = SolvedTally(bar)
+    point: list[tuple[str, int]] = []
 
     def done(mode: str, budget: int, solved: Solved) -> None:
-        if current["point"] != (mode, budget):
-            current.update(point=(mode, budget), done=0, correct=0, tokens=0)
+        if point != [(mode, budget)]:
+            point[:] = [(mode, budget)]
+            tally.reset()
             bar.set_description(f"{mode} {budget}" if budget else mode, refresh=False)
-        current["done"] += 1
-        current["correct"] += solved.correct
-        current["tokens"] += solved.generated_tokens
-        bar.set_postfix(
-            acc=f"{current['correct'] / current['done']:.3f}",
-            tok=f"{current['tokens'] / current['done']:.0f}",
-            refresh=False,
-        )
-        bar.update(1)
+        tally(solved)
 
     try:
         async with solver_stack(

@@ -98,6 +98,29 @@ async def solver_stack(
         sandbox_client.close()
 
 
+class SolvedTally:
+    """A progress bar's postfix over the problems solved so far: accuracy and generated
+    tokens per problem (`reset` starts a new count, e.g. for a sweep's next point)."""
+
+    def __init__(self, bar: Any) -> None:
+        self.bar = bar
+        self.reset()
+
+    def reset(self) -> None:
+        self.done = self.correct = self.tokens = 0
+
+    def __call__(self, solved: Solved) -> None:
+        self.done += 1
+        self.correct += solved.correct
+        self.tokens += solved.generated_tokens
+        self.bar.set_postfix(
+            acc=f"{self.correct / self.done:.3f}",
+            tok=f"{self.tokens / self.done:.0f}",
+            refresh=False,
+        )
+        self.bar.update(1)
+
+
 async def run_solve(
     *,
     problems: list[Problem],
@@ -120,18 +143,7 @@ async def run_solve(
         file=sys.stderr,
         dynamic_ncols=True,
     )
-    totals = {"done": 0, "correct": 0, "tokens": 0}
-
-    def done(solved: Solved) -> None:
-        totals["done"] += 1
-        totals["correct"] += solved.correct
-        totals["tokens"] += solved.generated_tokens
-        bar.set_postfix(
-            acc=f"{totals['correct'] / totals['done']:.3f}",
-            tok=f"{totals['tokens'] / totals['done']:.0f}",
-            refresh=False,
-        )
-        bar.update(1)
+    done = SolvedTally(bar)
 
     try:
         async with solver_stack(
