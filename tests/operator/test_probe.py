@@ -1,6 +1,7 @@
-"""The fleet status's KV capacity comes from the rollout scheduler (GetSchedulerStatus):
-`scheduler_probe` against a real `kubestar scheduler serve` process fronting a stand-in
-engine that answers /health and /metrics the way vLLM does."""
+"""The fleet status's KV capacity and weights come from the rollout scheduler
+(GetSchedulerStatus), and a restarted scheduler is given its weights back: `scheduler_probe`
+and `scheduler_restore` against a real `kubestar scheduler serve` process fronting a stand-in
+engine that answers /health, /metrics and the weight reload the way vLLM does."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 from kubestar.common.net import free_port
-from kubestar.operator.main import scheduler_probe
+from kubestar.operator.main import scheduler_probe, scheduler_restore
 
 METRICS = """# TYPE vllm:cache_config_info gauge
 vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="257"} 1.0
@@ -36,12 +37,28 @@ async def models(_: web.Request) -> web.Response:
     return web.json_response({"data": [{"id": "policy", "max_model_len": 1024}]})
 
 
+async def ok(_: web.Request) -> web.Response:
+    return web.json_response({})
+
+
+RELOADS: list[str] = []
+
+
+async def reload(request: web.Request) -> web.Response:
+    RELOADS.append((await request.json())["kwargs"]["weights_path"])
+    return web.json_response({"results": [None]})
+
+
 @pytest.fixture
 async def engine() -> AsyncIterator[str]:
+    RELOADS.clear()
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
+    for path in ("/pause", "/resume", "/reset_prefix_cache"):
+        app.router.add_post(path, ok)
+    app.router.add_post("/collective_rpc", reload)
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
@@ -50,7 +67,7 @@ async def engine() -> AsyncIterator[str]:
     await runner.cleanup()
 
 
-async def test_probe_reads_engine_capacity_from_the_scheduler(engine: str) -> None:
+async def test_probe_reads_capacity_and_weights_and_a_restore_loads_once(engine: str) -> None:
     port = free_port()
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kubestar.cli.main", "scheduler", "serve",
@@ -58,22 +75,32 @@ async def test_probe_reads_engine_capacity_from_the_scheduler(engine: str) -> No
         "--poll-interval", "0.1",
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
     )  # fmt: skip
+    endpoint = f"127.0.0.1:{port}"
     try:
-        capacities = None
+        scheduler = None
         for _ in range(150):
             try:
-                capacities = await scheduler_probe(f"127.0.0.1:{port}")
+                scheduler = await scheduler_probe(endpoint)
             except Exception:  # not listening yet
-                capacities = None
-            probe = (capacities or {}).get("fleet-engine-abc")
+                scheduler = None
+            probe = scheduler.engines.get("fleet-engine-abc") if scheduler else None
             if probe and probe.capacity_tokens and not probe.taken_out:
                 break
             await asyncio.sleep(0.1)
-        assert capacities is not None
-        probe = capacities["fleet-engine-abc"]
+        assert scheduler is not None
+        probe = scheduler.engines["fleet-engine-abc"]
         assert probe.capacity_tokens == 257 * 16
         assert probe.kv_usage == pytest.approx(0.25, abs=0.01)
         assert probe.taken_out == ""
+        # Started, it serves the engines' own weights: the operator gives it the fleet's.
+        assert (scheduler.weights_version, scheduler.weights_path) == (0, "")
+        assert await scheduler_restore(endpoint, "/ckpt/weights/v000005", 5, 30.0) == 5
+        assert RELOADS == ["/ckpt/weights/v000005"]
+        after = await scheduler_probe(endpoint)
+        assert after and (after.weights_version, after.weights_path) == (5, RELOADS[0])
+        # A second restore (a reconcile that raced the first) loads nothing again.
+        assert await scheduler_restore(endpoint, "/ckpt/weights/v000004", 4, 30.0) == 5
+        assert RELOADS == ["/ckpt/weights/v000005"]
     finally:
         process.terminate()
         await asyncio.wait_for(process.wait(), 30)

@@ -1225,6 +1225,13 @@ class EngineStatus(Spec):
     )
 
 
+class WeightsStatus(Spec):
+    """Policy weights the fleet's engines serve."""
+
+    version: int = Field(0, description="The version the trainer gave them (its step).")
+    path: str = Field("", description="The folder every engine loaded them from.")
+
+
 class RolloutFleetStatus(Spec):
     """Observed state of a RolloutFleet."""
 
@@ -1248,6 +1255,12 @@ class RolloutFleetStatus(Spec):
     )
     kv_capacity_tokens: int | None = Field(
         None, description="KV cache capacity of all engines together, in tokens."
+    )
+    weights: WeightsStatus | None = Field(
+        None,
+        description="The policy weights the engines serve, as the scheduler last reported "
+        "them; a restarted scheduler, which starts with the engines' own, is given these "
+        "again by the operator. Unset until a trainer pushes weights.",
     )
     conditions: list[Condition] = _conditions()
 

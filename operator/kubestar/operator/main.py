@@ -34,8 +34,10 @@ from kubestar.operator.reconciler import (
     EngineProbe,
     Key,
     Reconcile,
+    SchedulerProbe,
     WorkQueue,
     no_probe,
+    no_restore,
 )
 from kubestar.operator.settings import OperatorSettings
 
@@ -83,9 +85,9 @@ def kopf_login(connection: k.Connection) -> kopf.ConnectionInfo:
     )
 
 
-async def scheduler_probe(endpoint: str, token: str = "") -> dict[str, EngineProbe] | None:
-    """Per-engine KV capacity, and why an engine was taken out, from the fleet's scheduler
-    (GetSchedulerStatus), asked with the installation's token."""
+async def scheduler_probe(endpoint: str, token: str = "") -> SchedulerProbe | None:
+    """Per-engine KV capacity, why an engine was taken out, and the weights served, from the
+    fleet's scheduler (GetSchedulerStatus), asked with the installation's token."""
     from kubestar.scheduler.client import SchedulerClient
 
     client = SchedulerClient(endpoint, timeout=2.0, token=token)
@@ -93,10 +95,26 @@ async def scheduler_probe(endpoint: str, token: str = "") -> dict[str, EnginePro
         status = await client.status()
     finally:
         await client.close()
-    return {
+    engines = {
         e.name: EngineProbe(int(e.capacity_tokens), float(e.kv_usage), e.error)
         for e in status.engines
     }
+    return SchedulerProbe(engines, int(status.weights_version), status.weights_path)
+
+
+async def scheduler_restore(
+    endpoint: str, path: str, version: int, timeout: float, token: str = ""
+) -> int:
+    """Give a restarted scheduler back the weights its engines served (every engine reloads
+    them, hence `timeout`); the version served after."""
+    from kubestar.scheduler.client import SchedulerClient
+
+    client = SchedulerClient(endpoint, token=token)
+    try:
+        answer = await client.update_weights(path, version, timeout=timeout, restore=True)
+    finally:
+        await client.close()
+    return int(answer.version)
 
 
 @dataclass
@@ -121,7 +139,13 @@ class Runtime:
         cls, settings: OperatorSettings, connection: k.Connection, probe: bool = True
     ) -> Runtime:
         asked = functools.partial(scheduler_probe, token=settings.auth.token)
-        context = Context(k.Kube(connection), settings, asked if probe else no_probe)
+        restore = functools.partial(scheduler_restore, token=settings.auth.token)
+        context = Context(
+            k.Kube(connection),
+            settings,
+            asked if probe else no_probe,
+            restore if probe else no_restore,
+        )
         return cls(settings, connection, context)
 
     # --- events ------------------------------------------------------------------------
@@ -149,6 +173,12 @@ class Runtime:
         if kind != trainingrun.KIND:
             for run in self.dependents.get((namespace, kind, name), set()):
                 self.queue.enqueue((trainingrun.KIND, namespace, run), CHILD_DELAY)
+        else:
+            # A run's progress (a step, so new weights) refreshes its fleet's status.weights,
+            # which a restarted scheduler is given back.
+            for ref_namespace, ref_kind, ref_name in self.refs.get((namespace, name), []):
+                if ref_kind == rolloutfleet.KIND:
+                    self.queue.enqueue((ref_kind, ref_namespace, ref_name), CHILD_DELAY)
 
     def _index_run(self, namespace: str, name: str, spec: Mapping[str, Any] | None) -> None:
         for ref in self.refs.pop((namespace, name), []):

@@ -90,12 +90,28 @@ class EngineProbe(NamedTuple):
     taken_out: str = ""
 
 
-# Scheduler probe: endpoint -> {engine name: what the scheduler says of it}, or None.
-Probe = Callable[[str], Awaitable[dict[str, EngineProbe] | None]]
+class SchedulerProbe(NamedTuple):
+    """What a fleet's scheduler says of itself (GetSchedulerStatus)."""
+
+    engines: dict[str, EngineProbe]
+    weights_version: int
+    # The folder its engines' weights came from; "" while they serve their own.
+    weights_path: str
 
 
-async def no_probe(endpoint: str) -> dict[str, EngineProbe] | None:
+# Scheduler probe: endpoint -> what the scheduler says, or None.
+Probe = Callable[[str], Awaitable[SchedulerProbe | None]]
+# (endpoint, weights path, version, timeout) -> the version the scheduler serves after being
+# asked to restore those weights (UpdateWeightsRequest.restore).
+RestoreWeights = Callable[[str, str, int, float], Awaitable[int]]
+
+
+async def no_probe(endpoint: str) -> SchedulerProbe | None:
     return None
+
+
+async def no_restore(endpoint: str, path: str, version: int, timeout: float) -> int:
+    raise RuntimeError("this operator does not talk to schedulers (--no-probe)")
 
 
 @dataclass
@@ -103,6 +119,7 @@ class Context:
     kube: k.Kube
     settings: OperatorSettings
     probe: Probe = no_probe
+    restore_weights: RestoreWeights = no_restore
     # (kind, namespace, name) -> hash last applied (skips a GET when unchanged).
     applied: dict[tuple[str, str, str], str] = field(default_factory=dict)
     # The resourceVersion of each resource after our own last status patch: the watch event

@@ -1,7 +1,10 @@
 """RolloutFleet: reconciles the vLLM engines and the KV-aware scheduler in front of them, and
 reports ready engines, each engine's KV capacity (asked of the scheduler, which reads vLLM's
-`vllm:cache_config_info`), the scheduler's endpoint, and a Ready condition that names what is
-wrong (no free GPUs, image pulls, crash loops, OOM kills)."""
+`vllm:cache_config_info`), the scheduler's endpoint, the weights the engines serve, and a
+Ready condition that names what is wrong (no free GPUs, image pulls, crash loops, OOM kills).
+
+The weights live in the scheduler's memory only; the status keeps them, and a restarted
+scheduler (which serves none) is given them back before a trainer asks for a rollout."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from kubestar.common import kube as k
 from kubestar.operator import build_fleet
 from kubestar.operator import conditions as cond
 from kubestar.operator import objects as o
-from kubestar.operator.reconciler import ChildConflict, Context, EngineProbe
+from kubestar.operator.reconciler import ChildConflict, Context, EngineProbe, SchedulerProbe
 from kubestar.operator.sandboxpool import ready_replicas, validation_message
 from kubestar.operator.settings import OperatorSettings
 from pydantic import ValidationError
@@ -54,6 +57,26 @@ def engine_statuses(
     return engines
 
 
+def served_weights(
+    recorded: Mapping[str, Any] | None, probe: SchedulerProbe | None
+) -> dict[str, Any] | None:
+    """status.weights: what the scheduler serves, else what was recorded (a scheduler that
+    restarted or does not answer tells nothing new)."""
+    if probe is not None and probe.weights_path:
+        return {"version": probe.weights_version, "path": probe.weights_path}
+    return dict(recorded) if recorded else None
+
+
+def weights_to_restore(
+    recorded: Mapping[str, Any] | None, probe: SchedulerProbe | None
+) -> tuple[str, int] | None:
+    """(path, version) to give back to a scheduler that serves no weights although the
+    fleet's engines served these: it restarted."""
+    if probe is None or probe.weights_path or not recorded or not recorded.get("path"):
+        return None
+    return str(recorded["path"]), int(recorded.get("version", 0))
+
+
 def fleet_status(
     fleet: Mapping[str, Any],
     spec: RolloutFleetSpec,
@@ -62,6 +85,7 @@ def fleet_status(
     pods: Sequence[Mapping[str, Any]],
     capacities: Capacities | None,
     settings: OperatorSettings,
+    weights: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], Condition]:
     """(status fields, Ready condition) the operator writes (pure)."""
     meta = fleet["metadata"]
@@ -120,6 +144,7 @@ def fleet_status(
         ),
         "engines": per_engine,
         "kvCapacityTokens": sum(known) if known else None,
+        "weights": dict(weights) if weights else None,
     }
     return status, ready
 
@@ -163,14 +188,38 @@ async def reconcile(ctx: Context, fleet: dict[str, Any]) -> None:
         ctx.live(build_fleet.scheduler_deployment(fleet, spec, ctx.settings)),
         ctx.pods(fleet),
     )
-    capacities = None
+    probe = None
+    recorded = (fleet.get("status") or {}).get("weights")
     if ctx.settings.probe_schedulers and ready_replicas(scheduler) >= 1:
         endpoint = build_fleet.scheduler_endpoint(
             meta["name"], meta["namespace"], spec, ctx.settings
         )
         try:
-            capacities = await ctx.probe(endpoint)
+            probe = await ctx.probe(endpoint)
         except Exception as error:  # the scheduler may be starting: report without capacity
             log.info("scheduler %s not answering: %s", endpoint, error)
-    status, ready = fleet_status(fleet, spec, engines, scheduler, pods, capacities, ctx.settings)
+        restore = weights_to_restore(recorded, probe)
+        if restore:
+            recorded = await restore_weights(ctx, endpoint, spec, *restore)
+    weights = served_weights(recorded, probe)
+    capacities = probe.engines if probe else None
+    status, ready = fleet_status(
+        fleet, spec, engines, scheduler, pods, capacities, ctx.settings, weights
+    )
     await ctx.set_conditions(fleet, [ready], status)
+
+
+async def restore_weights(
+    ctx: Context, endpoint: str, spec: RolloutFleetSpec, path: str, version: int
+) -> dict[str, Any] | None:
+    """Give a restarted scheduler the weights its engines served; what status.weights keeps
+    after: those (or a trainer's newer push that came first), or nothing if they cannot be
+    loaded any more (their folder deleted with a finished run, say: forgotten, not retried)."""
+    timeout = spec.scheduler.weights_reload_timeout_seconds + 60
+    try:
+        served = await ctx.restore_weights(endpoint, path, version, timeout)
+    except Exception as error:
+        log.warning("restoring weights v%d (%s) to %s failed: %s", version, path, endpoint, error)
+        return None
+    log.info("restored weights v%d (%s) to the restarted scheduler %s", version, path, endpoint)
+    return {"version": served, "path": path} if served == version else None

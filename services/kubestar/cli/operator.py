@@ -37,7 +37,11 @@ def operator() -> None:
     default="",
     help="Default: $POD_NAMESPACE, else the kubeconfig's namespace.",
 )
-@click.option("--no-probe", is_flag=True, help="Do not ask schedulers for KV capacity.")
+@click.option(
+    "--no-probe",
+    is_flag=True,
+    help="Do not talk to fleets' schedulers (KV capacity, restoring weights).",
+)
 @click.option("--log-level", default="info", show_default=True)
 def run_command(
     config_path: str,

@@ -107,11 +107,16 @@ class SchedulerClient:
         return response
 
     async def update_weights(
-        self, weights_path: str, version: int | None = None, timeout: float | None = None
+        self,
+        weights_path: str,
+        version: int | None = None,
+        timeout: float | None = None,
+        restore: bool = False,
     ) -> pb.UpdateWeightsResponse:
-        """Every engine loads the weights in `weights_path`; no `version` means "next"."""
+        """Every engine loads the weights in `weights_path`; no `version` means "next";
+        `restore`: only if the scheduler has loaded none since it started."""
         response: pb.UpdateWeightsResponse = await self.stub.UpdateWeights(
-            pb.UpdateWeightsRequest(weights_path=weights_path, version=version),
+            pb.UpdateWeightsRequest(weights_path=weights_path, version=version, restore=restore),
             timeout=timeout,
             metadata=self._metadata,
         )

@@ -6,6 +6,10 @@ resumes. An engine that fails to load, or has not finished loading after
 `reload_timeout` seconds, is taken out (it loads the current weights when it comes back,
 before its first turn); an update with no engine up is recorded for the same reason, so the
 trainer need not fail.
+
+A scheduler starts knowing no weights. The operator keeps the last ones it saw in the
+fleet's status and gives them back to a restarted scheduler with a *restore*, which loads
+only if nothing was loaded since the start: a trainer's push that came first is newer.
 """
 
 from __future__ import annotations
@@ -58,59 +62,69 @@ class WeightUpdates:
         version: int | None,
         engines: Engines,
         quiesced: Callable[[], AbstractAsyncContextManager[float]],
+        restore: bool = False,
     ) -> pb.UpdateWeightsResponse:
         """Reload every engine that takes turns, inside `quiesced()` (no turn under way; it
-        yields the seconds it waited for the turns in flight)."""
-        async with self.lock, quiesced() as waited:
-            targets = engines.admitting()
-            new_version = self.version + 1 if version is None else version
-            if not targets:
-                # Every engine is away (restarting, or out of the endpoints for a moment):
-                # each one loads these weights when it comes back, before it takes a turn
-                # (`load_current`), so the update is not lost and the trainer need not fail.
+        yields the seconds it waited for the turns in flight). `restore`: only if no weights
+        were loaded since this scheduler started (see UpdateWeightsRequest.restore)."""
+        async with self.lock:
+            if restore and self.path:  # a push came first: newer than what is restored
+                return proto.weights_response(self.version, [], 0.0)
+            async with quiesced() as waited:
+                targets = engines.admitting()
+                new_version = self.version + 1 if version is None else version
+                if not targets:
+                    # Every engine is away (restarting, or out of the endpoints for a moment):
+                    # each one loads these weights when it comes back, before it takes a turn
+                    # (`load_current`), so the update is not lost and the trainer need not fail.
+                    self._record(new_version, weights_path)
+                    log.warning(
+                        "weights recorded with no engine up; engines load them on return",
+                        extra={"fields": {"version": new_version, "path": weights_path}},
+                    )
+                    return proto.weights_response(new_version, [], 0.0)
+                started = time.monotonic()
+                results = await asyncio.gather(
+                    *(self._reload(e, weights_path, new_version) for e in targets),
+                    return_exceptions=True,
+                )
+                loaded: list[str] = []
+                failed: list[tuple[Engine, Exception]] = []
+                for engine, result in zip(targets, results, strict=True):
+                    if isinstance(result, BaseException):
+                        if not isinstance(result, Exception):
+                            raise result
+                        failed.append((engine, result))
+                    else:
+                        engine.state.weights_version = new_version
+                        loaded.append(engine.state.name)
+                seconds = time.monotonic() - started
+                # A restore that no engine could load blames the weights (their folder may be
+                # gone since), not the engines: they keep serving what they have.
+                if loaded or not restore:
+                    for engine, error in failed:
+                        engines.failed(engine, error)
+                errors = [f"{engine.state.name}: {error}" for engine, error in failed]
+                if not loaded:
+                    raise NoEngineAvailable(
+                        "loading the weights failed on every engine: " + "; ".join(errors)
+                    )
                 self._record(new_version, weights_path)
-                log.warning(
-                    "weights recorded with no engine up; engines load them on return",
-                    extra={"fields": {"version": new_version, "path": weights_path}},
+                self.metrics.weights_reload_seconds.observe(seconds)
+                log.info(
+                    "weights updated",
+                    extra={
+                        "fields": {
+                            "version": new_version,
+                            "path": weights_path,
+                            "engines": loaded,
+                            "failed": errors,
+                            "reload_seconds": round(seconds, 3),
+                            "waited_seconds": round(waited, 3),
+                        }
+                    },
                 )
-                return proto.weights_response(new_version, [], 0.0)
-            started = time.monotonic()
-            results = await asyncio.gather(
-                *(self._reload(e, weights_path, new_version) for e in targets),
-                return_exceptions=True,
-            )
-            loaded: list[str] = []
-            errors: list[str] = []
-            for engine, result in zip(targets, results, strict=True):
-                if isinstance(result, BaseException):
-                    if not isinstance(result, Exception):
-                        raise result
-                    errors.append(f"{engine.state.name}: {result}")
-                    engines.failed(engine, result)
-                else:
-                    engine.state.weights_version = new_version
-                    loaded.append(engine.state.name)
-            seconds = time.monotonic() - started
-            if not loaded:
-                raise NoEngineAvailable(
-                    "loading the weights failed on every engine: " + "; ".join(errors)
-                )
-            self._record(new_version, weights_path)
-            self.metrics.weights_reload_seconds.observe(seconds)
-            log.info(
-                "weights updated",
-                extra={
-                    "fields": {
-                        "version": new_version,
-                        "path": weights_path,
-                        "engines": loaded,
-                        "failed": errors,
-                        "reload_seconds": round(seconds, 3),
-                        "waited_seconds": round(waited, 3),
-                    }
-                },
-            )
-            return proto.weights_response(new_version, loaded, seconds)
+                return proto.weights_response(new_version, loaded, seconds)
 
     async def _reload(self, engine: Engine, path: str, version: int) -> None:
         try:
