@@ -64,9 +64,14 @@ step "shared checkpoint folder" docker exec "$CLUSTER-control-plane" \
 # cluster), then copied onto the kind node.
 step "image build" env DOCKER_HOST="${DOCKER_HOST:-unix:///var/run/docker.sock}" \
     KUBESTAR_IMAGE="$IMAGE" "$ROOT/e2e/images/build.sh"
-step "kind load docker-image" kind load docker-image "$IMAGE" --name "$CLUSTER"
+# The image a chart upgrade mid-run moves to: the same content under another tag.
+UPGRADE_IMAGE="${IMAGE%:*}:upgrade"
+step "image tag (upgrade)" env DOCKER_HOST="${DOCKER_HOST:-unix:///var/run/docker.sock}" \
+    docker tag "$IMAGE" "$UPGRADE_IMAGE"
+step "kind load docker-image" kind load docker-image "$IMAGE" "$UPGRADE_IMAGE" --name "$CLUSTER"
 
 export KUBECONFIG="$KUBECONFIG_FILE" KUBESTAR_E2E_OUT="$OUT"
+export KUBESTAR_E2E_UPGRADE_IMAGE="$UPGRADE_IMAGE"
 # The image is on the node: IfNotPresent uses it (its tag is not `latest`).
 export KUBESTAR_E2E_HELM_ARGS="\
  --set images.kubestar.repository=${IMAGE%:*} --set images.kubestar.tag=${IMAGE##*:}\

@@ -52,12 +52,18 @@ step "install (binaries)" "$HERE/install.sh"
 rm -rf "$DIR/etcd"
 step "cluster start (with node)" env KUBESTAR_WITH_NODE=1 "$HERE/cluster.sh" start "$DIR"
 step "image build" "$ROOT/e2e/images/build.sh"
+# The image a chart upgrade mid-run moves to: the same content under another tag, so that
+# every pod of kubestar's own image is replaced (as by a release) at no build cost.
+UPGRADE_IMAGE=kubestar/kubestar:dev-upgrade
+step "image tag (upgrade)" env DOCKER_HOST="unix://$DIR/docker.sock" docker tag \
+    kubestar/kubestar:dev "$UPGRADE_IMAGE"
 rm -rf "$SHARED"
 mkdir -p "$SHARED"
 chmod 1777 "$SHARED" # the trainer (uid 1000) writes, the engines read
 
 export KUBECONFIG="$DIR/kubeconfig" PATH="$BIN:$PATH"
 export KUBESTAR_E2E_OUT="$OUT" KUBESTAR_E2E_CHECKPOINT_HOST_DIR="$SHARED"
+export KUBESTAR_E2E_UPGRADE_IMAGE="$UPGRADE_IMAGE"
 # One image for everything (engines included), present on the node: IfNotPresent never pulls
 # it, and an image that is not there fails at once (dockerd's proxy is a closed local port).
 # Host networking: every server binds 127.0.0.1 (see e2e/local/README.md, "Networking").

@@ -14,6 +14,9 @@ Environment:
   KUBESTAR_E2E_CHECKPOINT_HOST_DIR  the host directory behind trainer.sharedCheckpoints
                                (when the suite runs on the node: the local provider), to check
                                the checkpoint's files themselves
+  KUBESTAR_E2E_UPGRADE_IMAGE   REPOSITORY:TAG of kubestar's image, present on the nodes, that
+                               a `helm upgrade` during the faults run moves to (required by
+                               that test)
 
 The tests of test_journey.py are one journey, in order. Each names what it needs
 (`@needs("chart", "pool", ...)`: RESOURCES) and is skipped, naming the failed test, only when a
@@ -49,6 +52,9 @@ class Settings:
     helm_args: list[str]
     run_timeout: float
     checkpoint_host_dir: Path | None
+    # REPOSITORY:TAG of kubestar's image that a chart upgrade during a run moves to (on the
+    # nodes already: the upgrade must not wait on a pull).
+    upgrade_image: str = ""
     system_namespace: str = "kubestar-system"
     release: str = "kubestar"
     # Filled in as the journey goes (what to clean up, what was seen).
@@ -72,6 +78,7 @@ def settings() -> Settings:
         helm_args=shlex.split(os.environ.get("KUBESTAR_E2E_HELM_ARGS", "")),
         run_timeout=float(os.environ.get("KUBESTAR_E2E_RUN_TIMEOUT", "1800")),
         checkpoint_host_dir=Path(host_dir) if host_dir else None,
+        upgrade_image=os.environ.get("KUBESTAR_E2E_UPGRADE_IMAGE", ""),
     )
 
 

@@ -1,7 +1,7 @@
-"""Fault injection for the journey: delete a pod of the run's when its status says it is at a
-known point, and read what the trainer wrote in its metrics log (on the node's checkpoint
-folder) to see that each step happened once, on the previous step's weights, and how long
-each fault cost."""
+"""Fault injection for the journey: delete a pod of the run's, or upgrade the chart, when its
+status says it is at a known point, and read what the trainer wrote in its metrics log (on the
+node's checkpoint folder) to see that each step happened once, on the previous step's
+weights, and how long each fault cost."""
 
 from __future__ import annotations
 
@@ -26,12 +26,13 @@ def activity(status: Obj) -> str:
 
 @dataclass
 class Fault:
-    """One pod deleted at a known point of the run, and what it cost."""
+    """One pod deleted (or the chart upgraded) at a known point of the run, and its cost."""
 
     name: str
-    pod: str
+    pod: str  # "" for an upgrade
     when: str  # the trainer's activity when the pod was deleted
     at: float  # Unix seconds
+    action: str = "pod deleted"
     # The step in progress at the fault: its number, seconds from the fault to its end, and
     # its duration (against the median step without a fault).
     step: int = 0
@@ -81,6 +82,26 @@ class Injector:
         fault = Fault(name, pod, activity(status), time.time())
         self.faults.append(fault)
         return fault
+
+    def upgrade(self, helm_args: list[str], status: Obj) -> Fault:
+        """`helm upgrade` with `helm_args`, recorded as a fault from its start."""
+        fault = Fault("chart", "", activity(status), time.time(), "upgraded")
+        self.tools.helm("upgrade", *helm_args, "--wait", "--timeout", "5m")
+        self.faults.append(fault)
+        return fault
+
+    def pod_with_image(self, image: str, *selectors: str) -> str | None:
+        """The one running pod of `selectors`, once every pod of them runs `image`."""
+        pods = [
+            pod
+            for pod in self.tools.items("pods", self.namespace, *selectors)
+            if not pod["metadata"].get("deletionTimestamp")
+        ]
+        running = [p for p in pods if (p.get("status") or {}).get("phase") == "Running"]
+        if len(pods) != 1 or len(running) != 1:
+            return None
+        images = {c["image"] for c in running[0]["spec"]["containers"]}
+        return str(running[0]["metadata"]["name"]) if images == {image} else None
 
     def wait_step(self, step: int, timeout: float) -> None:
         self.wait_status(
@@ -139,7 +160,7 @@ def cost_lines(report: dict[str, Any]) -> list[str]:
     ]
     for fault in report["faults"]:
         lines.append(
-            f"  {fault['name']} pod deleted ({fault['when']}): kill to next completed step "
+            f"  {fault['name']} {fault['action']} ({fault['when']}): to next completed step "
             f"(step {fault['step']}) {fault['seconds_to_step_done']} s; step {fault['step']} "
             f"took {fault['step_seconds']} s; gap before the next step begun after the kill "
             f"{fault['gap_before_next_step']} s"

@@ -15,6 +15,7 @@ isolation the node refuses says IsolationUnavailable instead of becoming Ready.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -794,7 +795,7 @@ def test_run_succeeds_with_step_metrics_and_checkpoint(tools: Tools, settings: S
 
 
 FAULTS, FULL = "e2e-faults", "e2e-full"
-STEPS = 7  # e2e/manifests/faults-run.yaml
+STEPS = 9  # e2e/manifests/faults-run.yaml
 
 
 def sandbox_answers(tools: Tools, settings: Settings) -> float:
@@ -828,9 +829,8 @@ def weights_loaded(scheduler_log: str) -> list[int]:
             entry = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(entry, dict) and entry.get("msg") in (
-            "weights updated",
-            "weights recorded with no engine up",
+        if isinstance(entry, dict) and str(entry.get("msg", "")).startswith(
+            ("weights updated", "weights recorded with no engine up")
         ):
             versions.append(int(entry["version"]))
     return versions
@@ -851,12 +851,16 @@ def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
     tools: Tools, settings: Settings, request: pytest.FixtureRequest
 ) -> None:
     """Delete the trainer pod while step 2 rolls out, the scheduler pod while step 4's
-    weights are pushed, the sandbox dispatcher pod while a later step's tool calls run: the
-    run succeeds, each step is in the metrics log once and the status's step never falls, no
-    rollout sampled from weights older than the previous step's, the step whose tool calls
-    the deleted dispatcher was answering is trained once, the replacement scheduler got the
-    weights by a push tried again, and the cost of each fault is in the notes and the
-    suite's figures."""
+    weights are pushed, upgrade the chart to a new kubestar image while step 5 rolls out,
+    delete the sandbox dispatcher pod while a later step's tool calls run: the run succeeds,
+    each step is in the metrics log once and the status's step never falls, no rollout
+    sampled from weights older than the previous step's, the step whose tool calls the
+    deleted dispatcher was answering is trained once, the replacement scheduler got the
+    weights by a push tried again, the upgrade replaced the operator, scheduler and sandbox
+    pods but neither the engine (its image did not change) nor the trainer (Jobs are never
+    changed), the fleet's status kept the weights, and the cost of each fault is in the notes
+    and the suite's figures."""
+    assert settings.upgrade_image, "KUBESTAR_E2E_UPGRADE_IMAGE names no image to upgrade to"
     host_dir = checkpoint_host_dir(settings)
     tools.kubectl_text("apply", "-n", settings.namespace, "-f", str(MANIFESTS / "faults-run.yaml"))
     faults = Injector(tools, settings.namespace, FAULTS)
@@ -874,19 +878,67 @@ def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
         status = faults.wait_status(
             "step 4's weights push", lambda s: activity(s) == "pushing weights v4", timeout=300
         )
-        scheduler = faults.running_pod(f"{INSTANCE}={FLEET}", f"{COMPONENT}=scheduler")
+        scheduler_selector = (f"{INSTANCE}={FLEET}", f"{COMPONENT}=scheduler")
+        scheduler = faults.running_pod(*scheduler_selector)
         faults.delete("scheduler", scheduler, status)
-        faults.wait_step(4, timeout=600)
 
-        # In the middle of a step's tool calls: the first rollout from step 5 on in which
+        # Step 5 rolls out once v4 was pushed: the replacement scheduler has it (its log is
+        # read now, before the upgrade replaces that scheduler too).
+        status = faults.wait_status(
+            "step 5's rollout", lambda s: activity(s) == "rolling out step 5", timeout=600
+        )
+        replacement = faults.running_pod(*scheduler_selector)
+        assert replacement != scheduler
+        replacement_log = tools.kubectl_text("logs", replacement, "-n", settings.namespace)
+        (settings.out / f"{replacement}.log").write_text(replacement_log)
+
+        # A release of kubestar while step 5 rolls out: its own image changes everywhere.
+        engine_selector = (f"{INSTANCE}={FLEET}", f"{COMPONENT}=engine")
+        engine, trainer_pod = faults.running_pod(*engine_selector), faults.running_pod(*trainer)
+        repository, tag = settings.upgrade_image.rsplit(":", 1)
+        faults.upgrade(
+            [
+                settings.release,
+                str(CHART),
+                "-n",
+                settings.system_namespace,
+                "--reuse-values",
+                "--set",
+                f"images.kubestar.repository={repository}",
+                "--set",
+                f"images.kubestar.tag={tag}",
+            ],
+            status,
+        )
+        upgraded = {
+            component: wait_for(
+                f"the upgraded {component} pod",
+                functools.partial(
+                    faults.pod_with_image,
+                    settings.upgrade_image,
+                    f"{INSTANCE}={instance}",
+                    f"{COMPONENT}={component}",
+                ),
+                timeout=300,
+                interval=2,
+            )
+            for instance, component in (
+                (FLEET, "scheduler"),
+                (POOL, "sandbox-dispatcher"),
+                (POOL, "sandbox-worker"),
+            )
+        }
+        settings.notes["upgraded_pods"] = upgraded
+
+        # In the middle of a step's tool calls: the first rollout from step 6 on in which
         # the dispatcher answers calls (the policy does not call the tool in every step).
-        dispatcher = faults.running_pod(f"{INSTANCE}={POOL}", f"{COMPONENT}=sandbox-dispatcher")
-        for step in range(5, STEPS + 1):
+        dispatcher = upgraded["sandbox-dispatcher"]
+        for step in range(6, STEPS + 1):
             if tool_calls_answered_during_rollout(faults, tools, settings, step):
                 faults.delete("dispatcher", dispatcher, faults.status())
                 break
         else:
-            raise AssertionError(f"no rollout from step 5 to {STEPS} sent a tool call")
+            raise AssertionError(f"no rollout from step 6 to {STEPS} sent a tool call")
 
         def finished() -> Obj | None:
             status = run_status(tools, settings, FAULTS)
@@ -938,11 +990,31 @@ def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
         pushed,
         rolled_out,
     )
-    replacement = faults.running_pod(f"{INSTANCE}={FLEET}", f"{COMPONENT}=scheduler")
-    assert replacement != fault["scheduler"].pod
-    scheduler_log = tools.kubectl_text("logs", replacement, "-n", settings.namespace)
-    (settings.out / f"{replacement}.log").write_text(scheduler_log)
-    assert version in weights_loaded(scheduler_log), scheduler_log[-3000:]
+    assert version in weights_loaded(replacement_log), replacement_log[-3000:]
+
+    # The upgrade replaced what runs kubestar's image and left the engine and the trainer;
+    # the scheduler it started got the current weights (from the operator, which keeps them
+    # in the fleet's status, or from the trainer's check before a rollout).
+    operator = [p["metadata"]["name"] for p in operator_pods(tools, settings) if pod_ready(p)]
+    assert operator and operator != [Journey.operator_pod], operator
+    assert faults.running_pod(*engine_selector) == engine
+    upgraded_log = tools.kubectl_text("logs", upgraded["scheduler"], "-n", settings.namespace)
+    (settings.out / f"{upgraded['scheduler']}.log").write_text(upgraded_log)
+    loaded = weights_loaded(upgraded_log)
+    assert loaded and loaded[0] >= version, upgraded_log[-3000:]
+    settings.notes["upgraded_scheduler_weights"] = loaded
+
+    def last_weights() -> Obj | None:
+        fleet = tools.get("rolloutfleet", FLEET, settings.namespace) or {}
+        weights: Obj = (fleet.get("status") or {}).get("weights") or {}
+        return weights if weights.get("version", 0) >= STEPS - 1 else None
+
+    settings.notes["fleet_weights"] = wait_for(
+        "the fleet's status.weights to reach the last version pushed",
+        last_weights,
+        timeout=120,
+        interval=2,
+    )
 
     # The deleted pod (gone from the API once it exited) checkpointed step 2; the Job's next
     # pod waited for it to exit, then resumed from that checkpoint.
@@ -960,6 +1032,7 @@ def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
     )
     (second,) = [p["metadata"]["name"] for p in tools.items("pods", settings.namespace, *trainer)]
     assert second != first_trainer
+    assert second == trainer_pod  # the upgrade left the trainer's pod alone
     log = tools.kubectl_text("logs", second, "-n", settings.namespace)
     (settings.out / f"{second}.log").write_text(log)
     assert "waiting for pid" in log and ".trainer-worker-0.lock" in log, log[-3000:]

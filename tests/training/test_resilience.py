@@ -20,7 +20,12 @@ from kubestar.scheduler.client import SchedulerClient
 from kubestar.scheduler.server import SchedulerServer, ServerConfig
 from kubestar.training.datasets import Problem
 from kubestar.training.executors import SandboxStreamExecutor
-from kubestar.training.generators import ScriptedGenerator
+from kubestar.training.generators import (
+    GenerationError,
+    Sampling,
+    SchedulerGenerator,
+    ScriptedGenerator,
+)
 from kubestar.training.progress import set_rollouts_condition
 from kubestar.training.resilience import (
     InfrastructureFailure,
@@ -251,6 +256,31 @@ async def test_a_restarted_scheduler_gets_the_latest_weights_again(
             assert [e.weights for e in engines] == ["/weights/v000003"] * 2
         finally:
             await server.stop(grace_seconds=1.0)
+
+
+async def test_a_turn_served_by_other_weights_than_pushed_is_an_infrastructure_failure(
+    engines: list[FakeEngine],
+) -> None:
+    """A scheduler restarted in the middle of a rollout serves its next turns with the
+    engines' own weights (version 0) until it gets the pushed ones back: such a turn fails
+    (its trajectory is spoiled, not trained on), and turns on the pushed weights pass."""
+    port = free_port()
+    server = await start_scheduler(engines, port)
+    generator = SchedulerGenerator(f"127.0.0.1:{port}", timeout=10)
+    sampling = Sampling(stop=())
+    try:
+        await push_weights(generator.client, "/weights/v000002", 2, ResilienceSpec())
+        generator.expected_weights_version = 2
+        assert (await generator.generate("t1", [1, 2, 3], 4, sampling)).weights_version == 2
+        await server.stop(grace_seconds=1.0)
+        server = await start_scheduler(engines, port)
+        with pytest.raises(GenerationError, match=r"served by weights v0, not v2"):
+            await generator.generate("t2", [1, 2, 3], 4, sampling)
+        await push_weights(generator.client, "/weights/v000002", 2, ResilienceSpec())
+        assert (await generator.generate("t3", [1, 2, 3], 4, sampling)).weights_version == 2
+    finally:
+        await generator.close()
+        await server.stop(grace_seconds=1.0)
 
 
 async def test_a_push_waits_for_a_scheduler_that_comes_back(engines: list[FakeEngine]) -> None:

@@ -162,6 +162,10 @@ class SchedulerGenerator:
 
         self.endpoint = endpoint
         self.client = SchedulerClient(endpoint, timeout=timeout)
+        # The weights version the trainer last pushed (None: not pushed yet). A turn served
+        # by other weights (a scheduler restarted mid-rollout, with none or older ones) is
+        # an infrastructure failure: its trajectory is left out rather than trained on.
+        self.expected_weights_version: int | None = None
 
     async def generate(
         self,
@@ -176,6 +180,12 @@ class SchedulerGenerator:
             )
         except grpc.RpcError as exc:
             raise GenerationError(f"scheduler {self.endpoint}: {exc}") from exc
+        expected = self.expected_weights_version
+        if expected is not None and response.weights_version != expected:
+            raise GenerationError(
+                f"scheduler {self.endpoint}: served by weights v{response.weights_version}, "
+                f"not v{expected} (did it restart?)"
+            )
         return from_response(response)
 
     async def end_trajectory(self, trajectory_id: str) -> None:

@@ -107,6 +107,7 @@ class RolloutWorker:
         response = await push_weights(
             self.generator.client, weights_path, version, spec, sleep=retries.sleep
         )
+        self.generator.expected_weights_version = version
         return {
             "version": response.version,
             "engines": list(response.engines),
@@ -119,7 +120,9 @@ class RolloutWorker:
     ) -> bool:
         """Before a rollout: the scheduler serves these weights (pushed again if not)."""
         spec = resilience or ResilienceSpec()
-        return await ensure_weights(self.generator.client, weights_path, version, spec)
+        pushed = await ensure_weights(self.generator.client, weights_path, version, spec)
+        self.generator.expected_weights_version = version
+        return pushed
 
     async def close(self) -> None:
         await self.generator.close()
