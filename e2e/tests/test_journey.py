@@ -794,6 +794,54 @@ def test_run_succeeds_with_step_metrics_and_checkpoint(tools: Tools, settings: S
     assert any(re.search(rf"^{RUN}\s+Training\s+\S+\s+\d/2", line) for line in lines), lines
 
 
+SEARCH_PROBLEMS, SEARCH_CHILDREN = 3, 4
+
+
+@needs("chart", "fleet", "pool", "run")
+def test_search_on_the_fleet_and_the_pool(tools: Tools, settings: Settings) -> None:
+    """rStar-Math's MCTS from a pod of the namespace (`kubestar solve --scheduler --sandbox`
+    with the installation's token), valued by the reference answers, on the policy the run
+    left on the fleet: each expansion is one request of n samples to the fleet's scheduler,
+    and each step's program runs in the pool's sandbox."""
+    fleet = tools.get("rolloutfleet", FLEET, settings.namespace)
+    pool = tools.get("sandboxpool", POOL, settings.namespace)
+    assert fleet is not None and pool is not None
+    command = [
+        "env", "KUBESTAR_AUTH_TOKEN_FILE=/var/run/secrets/kubestar/auth/token",
+        "kubestar", "solve", "--mode", "mcts", "--ground-truth",
+        "--problems", "basic_arithmetic", "-n", str(SEARCH_PROBLEMS), "--seed", "5",
+        "--rollouts", "2", "--children", str(SEARCH_CHILDREN), "--max-depth", "3",
+        "--max-step-tokens", "96", "--sampling-seed", "3",
+        "--scheduler", fleet["status"]["schedulerEndpoint"],
+        "--sandbox", pool["status"]["endpoint"],
+        "--model", "SmolLM2-135M-Instruct",
+        "--output", "/tmp/trees.jsonl", "--json", "--no-progress",
+    ]  # fmt: skip
+    exec_in_dispatcher = ["exec", "-n", settings.namespace, f"deploy/{POOL}-sandbox", "--"]
+    figures = json.loads(tools.kubectl_text(*exec_in_dispatcher, *command, timeout=900))
+    trees = [
+        json.loads(line)
+        for line in tools.kubectl_text(*exec_in_dispatcher, "cat", "/tmp/trees.jsonl").splitlines()
+    ]
+    (settings.out / "search-trees.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trees))
+    programs = [n for t in trees for n in t["nodes"] if n["code"]]
+    settings.notes["search_on_cluster"] = {
+        **figures,
+        "programs": len(programs),
+        "programs_failed": sum(bool(n["code_failed"]) for n in programs),
+    }
+    assert figures["problems"] == len(trees) == SEARCH_PROBLEMS, figures
+    assert figures["generated_tokens"] > 0, figures
+    for tree in trees:
+        root, *steps = tree["nodes"]
+        # The root's expansion: one request of n samples (duplicates dropped).
+        first = [n for n in steps if n["parent"] == root["id"]]
+        assert 1 <= len(first) <= SEARCH_CHILDREN, tree["nodes"]
+        assert root["N"] >= 1, root
+    # Every program a step wrote ran in the pool's sandbox: it has what the tool answered.
+    assert all(n["observation"] is not None for n in programs), programs
+
+
 FAULTS, FULL = "e2e-faults", "e2e-full"
 STEPS = 9  # e2e/manifests/faults-run.yaml
 
