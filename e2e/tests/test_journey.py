@@ -110,6 +110,12 @@ def leader_logged(tools: Tools, settings: Settings, pod: str) -> bool:
     return "became leader" in done.stdout
 
 
+def upgrade_args(settings: Settings, *values: str) -> list[str]:
+    """`helm upgrade` arguments: the release, keeping its values, with each of `values` set."""
+    sets = [arg for value in values for arg in ("--set", value)]
+    return [settings.release, str(CHART), "-n", settings.system_namespace, "--reuse-values", *sets]
+
+
 def run_in_dispatcher(tools: Tools, settings: Settings, script: str, timeout: float) -> Obj:
     """Run a Python script in the pool's dispatcher pod; the JSON its last line prints."""
     output = tools.kubectl_text(
@@ -945,17 +951,9 @@ def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
         engine, trainer_pod = faults.running_pod(*engine_selector), faults.running_pod(*trainer)
         repository, tag = settings.upgrade_image.rsplit(":", 1)
         faults.upgrade(
-            [
-                settings.release,
-                str(CHART),
-                "-n",
-                settings.system_namespace,
-                "--reuse-values",
-                "--set",
-                f"images.kubestar.repository={repository}",
-                "--set",
-                f"images.kubestar.tag={tag}",
-            ],
+            upgrade_args(
+                settings, f"images.kubestar.repository={repository}", f"images.kubestar.tag={tag}"
+            ),
             status,
         )
         upgraded = {
@@ -1165,13 +1163,7 @@ def test_a_pool_without_the_isolation_it_needs_is_not_ready(
     containers, the pool's new worker does not serve, and the pool says why."""
     tools.helm(
         "upgrade",
-        settings.release,
-        str(CHART),
-        "-n",
-        settings.system_namespace,
-        "--reuse-values",
-        "--set",
-        "sandbox.isolationMechanism=UserNamespace",
+        *upgrade_args(settings, "sandbox.isolationMechanism=UserNamespace"),
         "--wait",
         "--timeout",
         "5m",
