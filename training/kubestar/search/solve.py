@@ -17,11 +17,15 @@ mode's driver:
 Every mode counts the tokens its policy generated for the problem (samples dropped as
 duplicates included): search and baselines are compared at the same generated-token budget,
 and `token_budget` makes majority, best-of-n and ppm-vote draw chains until they spent it.
+
+`Solver.solve_rollouts` answers MCTS at several rollout budgets from one search per problem
+(MCTS is anytime: `MCTS.grow`): what a sweep over rollout budgets runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import statistics
 import time
@@ -162,6 +166,71 @@ class Solver:
 
     async def solve(self, problem: Problem) -> Solved:
         started = time.monotonic()
+        root, policy = self._tree(problem)
+        try:
+            result = await self._search(root, policy, problem)
+        finally:
+            await policy.end()
+        reward = await self.judge(result.answer, problem.answer)
+        seconds = time.monotonic() - started
+        return self._solved(
+            problem, result, reward, policy.generated_tokens, policy.requests, seconds
+        )
+
+    async def solve_rollouts(self, problem: Problem, budgets: Sequence[int]) -> list[Solved]:
+        """MCTS at each rollout budget of `budgets` from one search of the largest: one
+        Solved per budget, ascending, each what `solve` with `rollouts` set to that budget
+        returns on the same random stream, at the cost of the largest alone.
+
+        At each smaller budget r the tree is read after r rollouts (`MCTS.grow`): the answer
+        by `MCTS.result` (the search's own vote), the tokens and requests the policy spent
+        so far, and a copy of the tree. A search of r rollouts sends the same requests, with
+        the same seeds (a policy seeds its k-th request by the seed and k alone: `SEED_STRIDE`),
+        since nothing before its end depends on `rollouts`; one that stops early (the root
+        exhausted) stops at the same rollout, and every budget past it reads the final tree.
+        Unseeded, the answer at r is that of a search of r rollouts that drew those samples.
+        `seconds` is the time from the problem's start to the read."""
+        if self.settings.mode != MCTS_MODE:
+            raise ValueError(f"only mcts answers several budgets at once, not {self.settings.mode}")
+        marks = sorted(set(budgets))
+        if not marks or marks[0] < 1:
+            raise ValueError("give at least one rollout budget, each at least 1")
+        started = time.monotonic()
+        root, policy = self._tree(problem)
+        mcts = self._mcts(policy, problem, replace(self.settings.search, rollouts=marks[-1]))
+        # (result, generated tokens, requests, seconds) at each budget read so far.
+        reads: list[tuple[SearchResult, int, int, float]] = []
+
+        def read(tree: Node) -> None:
+            reads.append(
+                (
+                    mcts.result(tree),
+                    policy.generated_tokens,
+                    policy.requests,
+                    time.monotonic() - started,
+                )
+            )
+
+        try:
+            async for done in mcts.grow(root):
+                if done in marks[:-1]:
+                    # A copy: the rollouts to come grow this tree (and a sweep writes each
+                    # budget's tree as it was).
+                    read(copy.deepcopy(root))
+        finally:
+            await policy.end()
+        # The largest budget, and any past an early stop: the final tree itself.
+        final = len(reads)
+        read(root)
+        reads += reads[final:] * (len(marks) - len(reads))
+        solved: list[Solved] = []
+        for result, tokens, requests, seconds in reads:
+            reward = await self.judge(result.answer, problem.answer)
+            solved.append(self._solved(problem, result, reward, tokens, requests, seconds))
+        return solved
+
+    def _tree(self, problem: Problem) -> tuple[Node, SchedulerPolicy]:
+        """A problem's root and the policy that grows its tree (under the tree's key)."""
         prompt = self.step_format.prompt(problem.question)
         root = Node.root(prompt, self.encode(prompt))
         policy = SchedulerPolicy(
@@ -173,34 +242,41 @@ class Solver:
             max_context=self.settings.max_context,
             affinity=self.settings.affinity,
         )
-        try:
-            result = await self._search(root, policy, problem)
-        finally:
-            await policy.end()
-        reward = await self.judge(result.answer, problem.answer)
+        return root, policy
+
+    def _solved(
+        self,
+        problem: Problem,
+        result: SearchResult,
+        reward: float,
+        generated_tokens: int,
+        requests: int,
+        seconds: float,
+    ) -> Solved:
         return Solved(
             problem=problem,
             mode=self.settings.mode,
             answer=result.answer,
             correct=reward > 0,
-            generated_tokens=policy.generated_tokens,
-            requests=policy.requests,
-            seconds=time.monotonic() - started,
-            root=root,
+            generated_tokens=generated_tokens,
+            requests=requests,
+            seconds=seconds,
+            root=result.root,
         )
+
+    def _mcts(self, policy: SchedulerPolicy, problem: Problem, search: SearchSettings) -> MCTS:
+        """MCTS valued by the PPM, or by the reference answer with `ground_truth`."""
+        fmt, executor, scorer = self.step_format, self.executor, self.scorer
+        if self.settings.ground_truth:
+            return MCTS(policy, executor, fmt, GroundTruth(problem.answer, search), None, search)
+        assert scorer is not None
+        return MCTS(policy, executor, fmt, scorer, scorer, search)
 
     async def _search(self, root: Node, policy: SchedulerPolicy, problem: Problem) -> SearchResult:
         s = self.settings
         fmt, executor, scorer = self.step_format, self.executor, self.scorer
         if s.mode == MCTS_MODE:
-            if s.ground_truth:
-                mcts = MCTS(
-                    policy, executor, fmt, GroundTruth(problem.answer, s.search), None, s.search
-                )
-            else:
-                assert scorer is not None
-                mcts = MCTS(policy, executor, fmt, scorer, scorer, s.search)
-            return await mcts.search(root)
+            return await self._mcts(policy, problem, s.search).search(root)
         if s.mode == BEAM:
             assert scorer is not None
             return await beam_search(policy, executor, fmt, scorer, s.search, root=root)

@@ -20,9 +20,21 @@ Search spends its tokens differently from the baselines (an MCTS expansion sampl
 each point reports the tokens it actually generated, and the plot draws accuracy against
 them. The tree searches run first, so that the chain modes know the tokens to match.
 
-Every point solves every problem afresh (a tree of 8 rollouts is not the tree of 4 grown
-on), the points one after another on the same `SolverStack`, so that what a `Meter` counts
-on the services (e.g. the engines' prefill tokens) between two reads belongs to one point.
+What it costs. MCTS is anytime (`MCTS.grow`): with `anytime` (the default) the sweep runs
+one search per problem at the largest rollout budget and reads each smaller budget r off the
+tree after r rollouts (`Solver.solve_rollouts`): the answer the search's own vote gives
+then, and the tokens and requests spent so far: what a search of r rollouts returns on the
+same random stream. Budgets 2,4,8 cost 8 rollouts per problem, not 2 + 4 + 8 = 14. Every
+other point solves every problem afresh: beam search cannot be read off a wider one (its
+width decides which candidates survive at every depth), and each chain mode's budget sets
+how many chains it draws from the start. So the cost is the largest MCTS budget, plus the
+sum of the beam budgets, plus the chain modes' points, each matched to the search's tokens.
+
+The runs go one after another on the same `SolverStack`, so that what a `Meter` counts on the
+services (e.g. the engines' prefill tokens) between two reads belongs to one run: a point's
+own, or for the rollout budgets of one MCTS search, the largest budget's point (the smaller
+ones, read off that search, get no counters, and a share of its wall time in proportion to
+the time their problems took to reach them).
 """
 
 from __future__ import annotations
@@ -81,6 +93,7 @@ class SweepSettings:
     concurrency: int = 4  # problems solved at once
     max_context: int = 0  # the engines' context length (0: unknown)
     affinity: bool = True  # a tree's requests share one affinity key
+    anytime: bool = True  # mcts: read every budget off one search of the largest per problem
 
     def __post_init__(self) -> None:
         unknown = [mode for mode in self.modes if mode not in MODES]
@@ -108,6 +121,17 @@ class SweepSettings:
         order = sorted(self.modes, key=lambda mode: (mode not in TREE_MODES, mode != GREEDY))
         budgets = sorted(self.budgets)
         return [(mode, budget) for mode in order for budget in ([0] if mode == GREEDY else budgets)]
+
+    def runs(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The points grouped by the searches that make them, in order: mcts's budgets
+        together when `anytime` (one search at the largest), every other point alone."""
+        runs: list[tuple[str, tuple[int, ...]]] = []
+        for mode, budget in self.points():
+            if self.anytime and mode == MCTS_MODE and runs and runs[-1][0] == mode:
+                runs[-1] = (mode, (*runs[-1][1], budget))
+            else:
+                runs.append((mode, (budget,)))
+        return runs
 
     def solve_settings(self, mode: str, budget: int, token_budget: int = 0) -> SolveSettings:
         """The settings of one point; `token_budget` for a chain mode matching a search."""
@@ -151,6 +175,7 @@ class SweepPoint:
     solved: list[Solved]
     seconds: float
     matched: str = ""  # the tree search whose tokens a chain mode matched
+    read_from: int = 0  # mcts: the rollouts of the search it was read off (0: its own)
     counters: dict[str, float] = field(default_factory=dict)  # a Meter's differences
 
     @property
@@ -199,6 +224,8 @@ class SweepPoint:
                 else math.nan
             )
             figures["matched"] = self.matched
+        if self.read_from:
+            figures["read_from"] = self.read_from
         if self.counters:
             figures["counters"] = dict(self.counters)
         return figures
@@ -220,33 +247,50 @@ async def sweep(
     reference = settings.reference
     spent: dict[int, dict[str, int]] = {}  # budget -> problem id -> the reference's tokens
     points: list[SweepPoint] = []
-    for mode, budget in settings.points():
-        budgets: Mapping[str, int] = spent.get(budget, {}) if mode in CHAIN_MODES else {}
+    for mode, budgets in settings.runs():
         before: dict[str, float] = {}
         if meter is not None:
             await meter.reset()
             before = await meter.read()
         started = time.monotonic()
-        solved = await _solve_point(problems, settings, stack, mode, budget, budgets, on_done)
+        if len(budgets) > 1:
+            by_budget = await _solve_rollouts(problems, settings, stack, budgets, on_done)
+        else:
+            (budget,) = budgets
+            tokens: Mapping[str, int] = spent.get(budget, {}) if mode in CHAIN_MODES else {}
+            solved = await _solve_point(problems, settings, stack, mode, budget, tokens, on_done)
+            by_budget = {budget: solved}
         seconds = time.monotonic() - started
         counters: dict[str, float] = {}
         if meter is not None:
             after = await meter.read()
             counters = {name: after[name] - before.get(name, 0.0) for name in after}
-        if mode == reference:
-            spent[budget] = {o.problem.id: o.generated_tokens for o in solved}
-        points.append(
-            SweepPoint(
-                mode=mode,
-                budget=budget,
-                budget_text=settings.budget_text(mode, budget),
-                solved=solved,
-                seconds=seconds,
-                matched=(reference or "") if mode in CHAIN_MODES else "",
-                counters=counters,
+        largest = by_budget[budgets[-1]]
+        for budget in budgets:
+            solved = by_budget[budget]
+            if mode == reference:
+                spent[budget] = {o.problem.id: o.generated_tokens for o in solved}
+            shared = budget != budgets[-1]
+            points.append(
+                SweepPoint(
+                    mode=mode,
+                    budget=budget,
+                    budget_text=settings.budget_text(mode, budget),
+                    solved=solved,
+                    seconds=seconds * _share(solved, largest) if shared else seconds,
+                    matched=(reference or "") if mode in CHAIN_MODES else "",
+                    counters={} if shared else counters,
+                    read_from=budgets[-1] if len(budgets) > 1 else 0,
+                )
             )
-        )
     return points
+
+
+def _share(part: Sequence[Solved], whole: Sequence[Solved]) -> float:
+    """The share of a run's time a budget read off it took: its problems' seconds to the
+    read over their seconds to the end."""
+    total = sum(outcome.seconds for outcome in whole)
+    return sum(outcome.seconds for outcome in part) / total if total > 0 else 1.0
 
 
 async def _solve_point(
@@ -271,6 +315,31 @@ async def _solve_point(
         return solved
 
     return list(await asyncio.gather(*(one(problem) for problem in problems)))
+
+
+async def _solve_rollouts(
+    problems: Sequence[Problem],
+    settings: SweepSettings,
+    stack: SolverStack,
+    budgets: Sequence[int],
+    on_done: OnDone | None,
+) -> dict[int, list[Solved]]:
+    """MCTS at every rollout budget from one search per problem at the largest
+    (`Solver.solve_rollouts`), `concurrency` problems at once; budget -> outcomes in the
+    problems' order. `on_done` hears of each budget of a problem when its search ends."""
+    gate = asyncio.Semaphore(settings.concurrency)
+    solver = stack.solver(settings.solve_settings(MCTS_MODE, max(budgets)))
+
+    async def one(problem: Problem) -> list[Solved]:
+        async with gate:
+            outcomes = await solver.solve_rollouts(problem, budgets)
+        if on_done is not None:
+            for budget, solved in zip(budgets, outcomes, strict=True):
+                on_done(MCTS_MODE, budget, solved)
+        return outcomes
+
+    rows = await asyncio.gather(*(one(problem) for problem in problems))
+    return {budget: [row[index] for row in rows] for index, budget in enumerate(budgets)}
 
 
 def format_table(points: Sequence[SweepPoint]) -> str:
