@@ -20,6 +20,8 @@ K8S_VERSION="${K8S_VERSION:-1.20.2}"
 BIN="${KUBESTAR_K8S_BIN:-${KUBESTAR_K8S_CACHE:-$HOME/.cache/kubestar/k8s-$K8S_VERSION}/bin}"
 ACTION="${1:-status}"
 DIR="${2:-${KUBESTAR_CLUSTER_DIR:-$HOME/.cache/kubestar/cluster}}"
+# shellcheck source=pids.sh
+source "$HERE/pids.sh"
 APISERVER_PORT="${APISERVER_PORT:-6443}"
 ETCD_PORT="${ETCD_PORT:-2379}"
 ETCD_PEER_PORT="${ETCD_PEER_PORT:-2380}"
@@ -30,14 +32,6 @@ WITH_NODE="${KUBESTAR_WITH_NODE:-0}"
 NODE_NAME="${NODE_NAME:-kubestar-node}"
 
 log() { printf '[cluster %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
-
-pid_alive() {
-    # The PID is ours only if it still runs the binary we started (PIDs get reused).
-    local name="$1" pidfile="$DIR/run/$1.pid" pid
-    [[ -f "$pidfile" ]] || return 1
-    pid="$(cat "$pidfile")"
-    [[ -d "/proc/$pid" ]] && grep -q "$name" "/proc/$pid/cmdline" 2>/dev/null
-}
 
 stop_one() {
     local name="$1" pidfile="$DIR/run/$1.pid" pid i
@@ -178,7 +172,7 @@ start() {
             --initial-cluster "default=http://127.0.0.1:$ETCD_PEER_PORT" \
             --listen-metrics-urls "" --log-level warn \
             >"$DIR/logs/etcd.log" 2>&1 &
-        echo $! >"$DIR/run/etcd.pid"
+        record_started etcd $!
     fi
     if ! pid_alive kube-apiserver; then
         "$BIN/kube-apiserver" \
@@ -201,7 +195,7 @@ start() {
             --allow-privileged=true \
             --profiling=false \
             >"$DIR/logs/kube-apiserver.log" 2>&1 &
-        echo $! >"$DIR/run/kube-apiserver.pid"
+        record_started kube-apiserver $!
     fi
     wait_ready 90
     log "kube-apiserver ready on 127.0.0.1:$APISERVER_PORT after $((SECONDS - started)) s"
@@ -219,14 +213,14 @@ start() {
             --leader-elect=false \
             --controllers "$controllers" \
             >"$DIR/logs/kube-controller-manager.log" 2>&1 &
-        echo $! >"$DIR/run/kube-controller-manager.pid"
+        record_started kube-controller-manager $!
     fi
     if [[ "${KUBESTAR_WITH_SCHEDULER:-0}" == 1 || "$WITH_NODE" == 1 ]] \
         && ! pid_alive kube-scheduler; then
         "$BIN/kube-scheduler" --kubeconfig "$DIR/scheduler.kubeconfig" \
             --bind-address 127.0.0.1 --secure-port 0 --port 0 --leader-elect=false \
             >"$DIR/logs/kube-scheduler.log" 2>&1 &
-        echo $! >"$DIR/run/kube-scheduler.pid"
+        record_started kube-scheduler $!
     fi
     # The default namespace's service account appears once the controllers run.
     local deadline=$((SECONDS + 60))

@@ -45,6 +45,8 @@ BIN="${KUBESTAR_K8S_BIN:-$CACHE/bin}"
 ACTION="${1:-status}"
 DIR="${2:-${KUBESTAR_CLUSTER_DIR:-$HOME/.cache/kubestar/cluster}}"
 DIR="$(mkdir -p "$DIR" && cd "$DIR" && pwd)"
+# shellcheck source=pids.sh
+source "$HERE/pids.sh"
 NODE_NAME="${NODE_NAME:-kubestar-node}"
 KUBELET_PORT="${KUBELET_PORT:-10250}"
 KUBELET_HEALTHZ_PORT="${KUBELET_HEALTHZ_PORT:-10248}"
@@ -62,14 +64,6 @@ log() { printf '[node %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
 docker_cli() { env -u DOCKER_CONTEXT DOCKER_HOST="unix://$DOCKER_SOCK" "$DOCKER_CLI" "$@"; }
 kubectl_admin() { "$BIN/kubectl" --kubeconfig "$DIR/kubeconfig" "$@"; }
-
-pid_alive() {
-    # The PID is ours only if it still runs the binary we started (PIDs get reused).
-    local name="$1" pidfile="$DIR/run/$1.pid" pid
-    [[ -f "$pidfile" ]] || return 1
-    pid="$(cat "$pidfile")"
-    [[ -n "$pid" && -d "/proc/$pid" ]] && grep -q "$name" "/proc/$pid/cmdline" 2>/dev/null
-}
 
 stop_pid() { # NAME PID GRACE_SECONDS
     local name="$1" pid="$2" grace="$3" i
@@ -127,7 +121,7 @@ start_dockerd() {
         --exec-opt native.cgroupdriver=cgroupfs \
         --log-driver json-file --log-opt max-size=50m \
         >"$DIR/logs/dockerd.log" 2>&1 &
-    echo $! >"$DIR/run/dockerd.pid"
+    record_started dockerd $!
     local deadline=$((SECONDS + 60))
     until docker_cli version >/dev/null 2>&1; do
         if ((SECONDS > deadline)) || ! pid_alive dockerd; then
@@ -257,7 +251,7 @@ start_kubelet() {
         --volume-plugin-dir "$DIR/kubelet/volume-plugins" \
         --v 1 \
         >"$DIR/logs/kubelet.log" 2>&1 &
-    echo $! >"$DIR/run/kubelet.pid"
+    record_started kubelet $!
 }
 
 node_ready() { # [SINCE]: Ready, reported by a kubelet heartbeat at or after SINCE (UTC)
