@@ -110,6 +110,25 @@ def leader_logged(tools: Tools, settings: Settings, pod: str) -> bool:
     return "became leader" in done.stdout
 
 
+def pods_and_images(tools: Tools, settings: Settings) -> str:
+    """The test namespace's pods: phase, images and what they wait on (for a timeout)."""
+    lines = []
+    for pod in tools.items("pods", settings.namespace):
+        status = pod.get("status") or {}
+        waiting = [
+            (c.get("state") or {}).get("waiting", {}).get("reason", "")
+            for c in status.get("containerStatuses") or []
+        ]
+        conditions = [c.get("message", "") for c in status.get("conditions") or []]
+        images = [c["image"] for c in pod["spec"]["containers"]]
+        deleting = " (deleting)" if pod["metadata"].get("deletionTimestamp") else ""
+        lines.append(
+            f"{pod['metadata']['name']}{deleting}: {status.get('phase')} {images} "
+            f"{[w for w in waiting if w]} {[c for c in conditions if c]}"
+        )
+    return "\n".join(lines)
+
+
 def upgrade_args(settings: Settings, *values: str) -> list[str]:
     """`helm upgrade` arguments: the release, keeping its values, with each of `values` set."""
     sets = [arg for value in values for arg in ("--set", value)]
@@ -840,10 +859,12 @@ def test_search_on_the_fleet_and_the_pool(tools: Tools, settings: Settings) -> N
     assert figures["generated_tokens"] > 0, figures
     for tree in trees:
         root, *steps = tree["nodes"]
-        # The root's expansion: one request of n samples (duplicates dropped).
+        # The root's expansion: one request of n samples (duplicates dropped); each step that
+        # ended its branch (an answer, failed code, unparsable) is valued.
         first = [n for n in steps if n["parent"] == root["id"]]
         assert 1 <= len(first) <= SEARCH_CHILDREN, tree["nodes"]
-        assert root["N"] >= 1, root
+        assert tree["requests"] >= 1, tree
+        assert all(n["N"] >= 1 for n in first if n["terminal"]), tree["nodes"]
     # Every program a step wrote ran in the pool's sandbox: it has what the tool answered.
     assert all(n["observation"] is not None for n in programs), programs
 
@@ -967,6 +988,7 @@ def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
                 ),
                 timeout=300,
                 interval=2,
+                describe=functools.partial(pods_and_images, tools, settings),
             )
             for instance, component in (
                 (FLEET, "scheduler"),

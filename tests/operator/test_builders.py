@@ -332,6 +332,24 @@ def test_an_operator_upgrade_leaves_gpu_engines_alone() -> None:
     )
 
 
+def test_one_pod_deployments_roll_without_a_deadlock_on_the_hosts_network() -> None:
+    """The scheduler and the dispatcher: a new pod first with pod networking (no gap); on
+    the host's network the old one goes first, since the new one needs the same host ports
+    (a surge pod stayed Pending beside the old one for good, and an upgrade never rolled)."""
+    fleet, pool = parent("RolloutFleet", "f"), parent("SandboxPool", "p")
+    fleet_spec, pool_spec = RolloutFleetSpec(), SandboxPoolSpec()
+    for host_network, surge, unavailable in ((False, 1, 0), (True, 0, 1)):
+        settings = OperatorSettings.model_validate({"network": {"hostNetwork": host_network}})
+        for deployment in (
+            build_fleet.scheduler_deployment(fleet, fleet_spec, settings),
+            build_sandbox.dispatcher_deployment(pool, pool_spec, settings),
+        ):
+            assert deployment["spec"]["strategy"] == {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable},
+            }, (host_network, deployment["metadata"]["name"])
+
+
 def test_scheduler_is_wired_to_the_engines() -> None:
     fleet = parent("RolloutFleet", "f")
     spec = RolloutFleetSpec.model_validate(

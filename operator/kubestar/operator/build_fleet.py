@@ -469,6 +469,7 @@ def scheduler_deployment(
             "metadata": o.metadata(fleet, scheduler_name(name), SCHEDULER),
             "spec": {
                 "replicas": 1,
+                "strategy": o.single_pod_rollout(settings.network.host_network),
                 "selector": {"matchLabels": o.selector_labels("RolloutFleet", name, SCHEDULER)},
                 "template": {
                     "metadata": {"labels": o.labels("RolloutFleet", name, SCHEDULER)},

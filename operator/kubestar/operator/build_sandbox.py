@@ -294,6 +294,7 @@ def dispatcher_deployment(
             "metadata": o.metadata(pool, dispatcher_name(name), DISPATCHER),
             "spec": {
                 "replicas": 1,
+                "strategy": o.single_pod_rollout(settings.network.host_network),
                 "selector": {"matchLabels": selector},
                 "template": {
                     "metadata": {"labels": o.labels("SandboxPool", name, DISPATCHER)},

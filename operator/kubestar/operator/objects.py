@@ -236,3 +236,14 @@ def auth_flagged(command: list[str]) -> list[str]:
     which arguments go to vLLM)."""
     at = command.index("--") if "--" in command else len(command)
     return [*command[:at], "--auth-token-file", AUTH_TOKEN_FILE, *command[at:]]
+
+
+def single_pod_rollout(host_network: bool) -> Obj:
+    """How a one-pod Deployment (a scheduler, a dispatcher) is replaced: the new pod first,
+    so that one always serves; on the host's network the old one first, since both would
+    need the same host ports and the new pod could never be scheduled beside the old."""
+    surge, unavailable = (0, 1) if host_network else (1, 0)
+    return {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable},
+    }
