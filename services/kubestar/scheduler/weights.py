@@ -117,6 +117,7 @@ class WeightUpdates:
                         "fields": {
                             "version": new_version,
                             "path": weights_path,
+                            "restore": restore,
                             "engines": loaded,
                             "failed": errors,
                             "reload_seconds": round(seconds, 3),
