@@ -55,7 +55,10 @@ class Injector:
         assert obj is not None, f"TrainingRun {self.run} is gone"
         status: Obj = obj.get("status") or {}
         if status.get("phase") in ("Failed", "Succeeded"):
-            raise AssertionError(f"{self.run} ended before the fault: {json.dumps(status)}")
+            raise AssertionError(
+                f"{self.run} ended ({status['phase']}) while the test waited on it: "
+                f"{json.dumps(status)}"
+            )
         return status
 
     def wait_status(self, what: str, probe: Callable[[Obj], bool], timeout: float) -> Obj:

@@ -860,11 +860,13 @@ def test_search_on_the_fleet_and_the_pool(tools: Tools, settings: Settings) -> N
     for tree in trees:
         root, *steps = tree["nodes"]
         # The root's expansion: one request of n samples (duplicates dropped); each step that
-        # ended its branch (an answer, failed code, unparsable) is valued.
+        # ended its branch (an answer, failed code, unparsable) is valued ("exhausted": one
+        # whose own children all ended, which has no value of its own by ground truth).
         first = [n for n in steps if n["parent"] == root["id"]]
         assert 1 <= len(first) <= SEARCH_CHILDREN, tree["nodes"]
         assert tree["requests"] >= 1, tree
-        assert all(n["N"] >= 1 for n in first if n["terminal"]), tree["nodes"]
+        valued = [n for n in first if n["terminal"] not in (None, "exhausted")]
+        assert all(n["N"] >= 1 for n in valued), tree["nodes"]
     # Every program a step wrote ran in the pool's sandbox: it has what the tool answered.
     assert all(n["observation"] is not None for n in programs), programs
 
