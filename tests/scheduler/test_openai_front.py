@@ -289,11 +289,25 @@ async def until(condition: Callable[[], bool], what: str, timeout: float = 30.0)
 async def engines_of_turns(
     engines: Sequence[EngineProcess], model: Path, key: dict[str, Any]
 ) -> list[int]:
+    """`turns_beside_a_long_one`, measured again (up to 3 times) when the long turn ended
+    before the others: on a loaded machine it sometimes does, and then the turns compare
+    idle engines, which says nothing of affinity."""
+    for _ in range(3):
+        sent = await turns_beside_a_long_one(engines, model, key)
+        if sent is not None:
+            return sent
+    raise AssertionError("the long turn on engine 0 ended before the other turns, 3 times")
+
+
+async def turns_beside_a_long_one(
+    engines: Sequence[EngineProcess], model: Path, key: dict[str, Any]
+) -> list[int] | None:
     """Four turns of one trajectory (each prompt extends the one before), on a fresh front:
     the first on idle engines, where the scheduler's tie-break sends it to engine 0; the
     others while a long turn of another trajectory runs on engine 0, so that engine 1 has the
     most free KV. `key`: the trajectory's session key, as arguments of the OpenAI call ({}:
-    none). Returns the engine each turn was sent to (by the scheduler's admissions)."""
+    none). Returns the engine each turn was sent to (by the scheduler's admissions), or None
+    if the long turn ended before the last of them was sent."""
     async with front(engines, model, segment_tokens=0) as (server, client):
 
         def status() -> list[pb.EngineStatus]:
@@ -341,10 +355,11 @@ async def engines_of_turns(
         )
         sent = [first]
         for index in range(1, 4):
-            assert status()[0].in_flight == 1, "the long turn ended before the others"
+            if status()[0].in_flight != 1:  # the long turn has ended
+                break
             sent.append(await turn(index))
         assert (await long_turn).choices[0].finish_reason == "length"
-    return sent
+    return sent if len(sent) == 4 else None
 
 
 async def test_a_sessions_turns_stay_on_the_engine_holding_its_prefix(
