@@ -1161,8 +1161,9 @@ def test_a_full_checkpoint_volume_fails_the_run_naming_it(tools: Tools, settings
             ),
             timeout=60,
         )
+        # No retry: the one pod, or none when the Job's scaling to no pods deleted it first.
         pods = tools.items("pods", settings.namespace, f"{INSTANCE}={FULL}")
-        assert len(pods) == 1, [p["metadata"]["name"] for p in pods]  # no retry
+        assert len(pods) <= 1, [p["metadata"]["name"] for p in pods]
         assert job["spec"]["backoffLimit"] > 0  # a retry it would have made
     finally:
         tools.kubectl_run(
