@@ -182,3 +182,35 @@ async def test_beam_search_with_an_adversarial_scorer_misses_it() -> None:
     assert result.answer != "42"
     assert "42" not in answers_found(result)
     assert result.root.children[1].children == []  # b was never a beam
+
+
+async def test_a_dead_ends_negative_reward_stays_on_its_node_as_in_rstar() -> None:
+    """rStar's `eval_final_answer` gives a terminal non-answer the negative reward with
+    `node.update`, not `update_recursive`: only answers move their ancestors' Q."""
+    fails = "<code>\nx = 1 / 0\n<end_of_step>"
+    world = {
+        (): [fails, "\n<end_of_step>", A],
+        (A,): [answer("42"), "# again\n" + fails.removeprefix("<code>\n")],
+    }
+
+    class DeadEnds(WorldPolicy):
+        async def propose(self, node: Node, n: int) -> list[Proposal]:
+            return [Proposal(text) for text in world.get(steps_of(node), [])[:n]]
+
+    settings = SearchSettings(children=4, rollouts=10)
+    search = MCTS(DeadEnds(), ExecPython(), RStarFormat(), GroundTruth("42"), settings=settings)
+    root = (await search.search()).root
+    failed, unparsable, a = root.children
+    assert (failed.terminal, failed.N, failed.W) == (Terminal.TOO_MANY_CODE_ERRORS, 1, -1.0)
+    assert (unparsable.terminal, unparsable.N, unparsable.W) == (Terminal.UNPARSABLE, 1, -1.0)
+    right, failed_again = a.children
+    assert (right.answer, right.N, right.W) == ("42", 1, 1.0)
+    assert (failed_again.terminal, failed_again.N, failed_again.W) == (
+        Terminal.TOO_MANY_CODE_ERRORS,
+        1,
+        -1.0,
+    )
+    # the one answer is all that reached A and the root; A, all of whose children are
+    # terminal, is exhausted
+    assert (a.N, a.W, a.terminal) == (1, 1.0, Terminal.EXHAUSTED)
+    assert (root.N, root.W) == (1, 1.0)
