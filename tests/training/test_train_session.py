@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -16,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from tests.real_parts import engine_python, require_modules
+from tests.real_parts import engine_python, require_modules, tiny_model
+from tests.search.ppm_support import marker_texts
 from tests.training.rollout_support import coin_model
 
 pytestmark = pytest.mark.slow
@@ -183,27 +185,71 @@ def test_mixed_rewards_train_every_step(tmp_path: Path) -> None:
     assert any(not torch.equal(trained[name], start[name]) for name in start)
 
 
-def test_search_evaluation_reaches_status(tmp_path: Path) -> None:
-    """evaluation.search (majority: no PPM) also solves the held-out problems at each
-    evaluation point, on the run's scheduler and sandbox: its accuracy, generated tokens
-    and time reach the status, the metrics log and the report."""
+def train_ppm(tmp_path: Path) -> Path:
+    """A PPM folder from `kubestar ppm train` on marker pairs, from a tiny model with the
+    policy's tokenizer (every tiny-random-llama reads ids as SmolLM2 does)."""
+    rng = random.Random(0)
+    pairs = tmp_path / "pairs.jsonl"
+    lines = []
+    for _ in range(24):
+        prompt, chosen, rejected = marker_texts(rng)
+        lines.append(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}))
+    pairs.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "ppm"
+    command = [sys.executable, "-m", "kubestar.cli.main", "ppm", "train", "--pairs", str(pairs)]
+    command += ["--out", str(out), "--model", str(tiny_model(64)), "--device", "cpu"]
+    command += ["--epochs", "1", "--batch-size", "8", "--learning-rate", "1e-3"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def test_mcts_with_a_ppm_at_evaluation_reaches_status(tmp_path: Path) -> None:
+    """evaluation.search with mcts and a real PPM (`kubestar ppm train`'s folder, loaded in
+    the trainer) also solves the held-out problems at each evaluation point, on the run's
+    scheduler and sandbox: the PPM values the trees' steps, and the search's accuracy,
+    generated tokens and time reach the status, the metrics log and the report."""
+    ppm = train_ppm(tmp_path)
+    # A policy whose steps are answers (the coin model's \boxed{7} or \boxed{3}): the tiny
+    # random model's own steps do not parse, and a tree of dead ends has nothing to value.
+    questions = ["What is 3 + 4?", "What is 10 - 3?"]
+    model = coin_model(tmp_path / "coin", questions)
+    problems = tmp_path / "sevens.jsonl"
+    problems.write_text(
+        "".join(json.dumps({"question": q, "answer": "7"}) + "\n" for q in questions)
+    )
     held_out = "dataset: {generator: basic_arithmetic, size: 4, seed: 1000}"
-    text = MANIFEST.replace(held_out, held_out + "\n    search: {mode: majority, samples: 2}")
+    search = f"search: {{mode: mcts, ppm: {ppm}, rollouts: 2, children: 2}}"
+    text = (
+        MANIFEST.replace("name: tiny-random-llama", f"name: {model}")
+        .replace("generator: basic_arithmetic, size: 20, seed: 3", f"path: {problems}, size: 2")
+        .replace(held_out, f"dataset: {{path: {problems}, size: 2}}\n    {search}")
+    )
     command, env = train_command(tmp_path, steps=1, text=text)
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     status = json.loads((tmp_path / "run" / "status.json").read_text())
     assert [(e["point"], e["step"]) for e in status["evaluations"]] == [("start", 0), ("end", 1)]
     for evaluation in status["evaluations"]:
-        search = evaluation["search"]
-        assert search["mode"] == "majority" and 0 <= search["accuracy"] <= 1
-        assert search["generatedTokensPerProblem"] > 0 and search["seconds"] > 0
+        found = evaluation["search"]
+        assert found["mode"] == "mcts" and 0 <= found["accuracy"] <= 1
+        assert found["generatedTokensPerProblem"] > 0 and found["seconds"] > 0
         assert evaluation["generatedTokensPerProblem"] > 0  # greedy's, beside it
     logged = [m for m in metrics(tmp_path) if m["stage"] == "evaluation"]
     assert [m["search_accuracy"] for m in logged] == [
         e["search"]["accuracy"] for e in status["evaluations"]
     ]
     assert all(m["search_generated_tokens_per_problem"] > 0 for m in logged)
-    trees = (tmp_path / "run" / "evaluation-end-search.jsonl").read_text().splitlines()
-    assert len(trees) == 4  # one tree per held-out problem
-    assert "majority accuracy" in (tmp_path / "run" / "report" / "report.md").read_text()
+    trees = [
+        json.loads(line)
+        for line in (tmp_path / "run" / "evaluation-end-search.jsonl").read_text().splitlines()
+    ]
+    assert len(trees) == 2  # one tree per held-out problem
+    for tree in trees:
+        assert tree["mode"] == "mcts" and 1 <= tree["requests"] <= 2  # one per rollout
+        assert len([n for n in tree["nodes"] if n["parent"] == "0"]) <= 2  # children: 2
+    # The PPM's squashed scores lie strictly inside (-1, 1); ground truth and dead ends give
+    # exactly +1 or -1. An open step or an answer valued so was valued by the PPM.
+    values = [n["value"] for tree in trees for n in tree["nodes"] if n["value"] is not None]
+    assert any(-1 < value < 1 for value in values), values
+    assert "mcts accuracy" in (tmp_path / "run" / "report" / "report.md").read_text()
