@@ -3,7 +3,9 @@ somewhere inside it, the rejected one a random word from the same list in its pl
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 from kubestar.search.ppm_data import Encode, PpmExample
 
@@ -33,3 +35,15 @@ def marker_pairs(count: int, encode: Encode, seed: int) -> list[PpmExample]:
             PpmExample(tuple(encode(prompt)), tuple(encode(chosen)), tuple(encode(rejected)))
         )
     return examples
+
+
+def write_marker_pairs(path: Path, count: int, seed: int = 0) -> Path:
+    """`count` marker pairs as text, one JSON line each, the way a person writes a pair file
+    for `kubestar ppm train`."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(count):
+        prompt, chosen, rejected = marker_texts(rng)
+        lines.append(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}))
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -4,14 +4,13 @@ mistake is one line naming the flag or the file."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 
 from tests.cli.test_errors import kubestar, one_line_error
 from tests.real_parts import require_modules, tiny_model
-from tests.search.ppm_support import marker_texts
+from tests.search.ppm_support import write_marker_pairs
 
 require_modules("torch", "transformers", "safetensors")
 
@@ -24,14 +23,7 @@ def model_dir() -> Path:
 @pytest.fixture(scope="module")
 def pairs_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """40 marker pairs as text, the way a person writes them."""
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
-    lines = []
-    for _ in range(40):
-        prompt, chosen, rejected = marker_texts(rng)
-        lines.append(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}))
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_marker_pairs(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", 40)
 
 
 def test_train_writes_a_ppm_folder_and_prints_its_metrics(

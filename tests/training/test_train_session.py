@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.real_parts import engine_python, require_modules, tiny_model
-from tests.search.ppm_support import marker_texts
+from tests.search.ppm_support import write_marker_pairs
 from tests.training.rollout_support import coin_model
 
 pytestmark = pytest.mark.slow
@@ -188,13 +187,7 @@ def test_mixed_rewards_train_every_step(tmp_path: Path) -> None:
 def train_ppm(tmp_path: Path) -> Path:
     """A PPM folder from `kubestar ppm train` on marker pairs, from a tiny model with the
     policy's tokenizer (every tiny-random-llama reads ids as SmolLM2 does)."""
-    rng = random.Random(0)
-    pairs = tmp_path / "pairs.jsonl"
-    lines = []
-    for _ in range(24):
-        prompt, chosen, rejected = marker_texts(rng)
-        lines.append(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}))
-    pairs.write_text("\n".join(lines) + "\n")
+    pairs = write_marker_pairs(tmp_path / "pairs.jsonl", 24)
     out = tmp_path / "ppm"
     command = [sys.executable, "-m", "kubestar.cli.main", "ppm", "train", "--pairs", str(pairs)]
     command += ["--out", str(out), "--model", str(tiny_model(64)), "--device", "cpu"]
