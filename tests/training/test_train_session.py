@@ -203,10 +203,11 @@ def test_mcts_with_a_ppm_at_evaluation_reaches_status(tmp_path: Path) -> None:
     scheduler and sandbox: the PPM values the trees' steps, and the search's accuracy,
     generated tokens and time reach the status, the metrics log and the report."""
     ppm = train_ppm(tmp_path)
-    # A policy whose steps are answers (the coin model's \boxed{7} or \boxed{3}): the tiny
-    # random model's own steps do not parse, and a tree of dead ends has nothing to value.
+    # A policy whose every step is an answer (a coin model of one side: \boxed{7}): the tiny
+    # random model's own steps do not parse, and a tree of dead ends has nothing to value. Two
+    # sides leave more room for an unparsable sample, and another CPU samples otherwise.
     questions = ["What is 3 + 4?", "What is 10 - 3?"]
-    model = coin_model(tmp_path / "coin", questions)
+    model = coin_model(tmp_path / "coin", questions, answers=("7",))
     problems = tmp_path / "sevens.jsonl"
     problems.write_text(
         "".join(json.dumps({"question": q, "answer": "7"}) + "\n" for q in questions)
@@ -235,9 +236,10 @@ def test_mcts_with_a_ppm_at_evaluation_reaches_status(tmp_path: Path) -> None:
     assert all(m["search_generated_tokens_per_problem"] > 0 for m in logged)
     trees = [
         json.loads(line)
-        for line in (tmp_path / "run" / "evaluation-end-search.jsonl").read_text().splitlines()
+        for point in ("start", "end")
+        for line in (tmp_path / "run" / f"evaluation-{point}-search.jsonl").read_text().splitlines()
     ]
-    assert len(trees) == 2  # one tree per held-out problem
+    assert len(trees) == 4  # one tree per held-out problem and evaluation point
     for tree in trees:
         assert tree["mode"] == "mcts" and 1 <= tree["requests"] <= 2  # one per rollout
         assert len([n for n in tree["nodes"] if n["parent"] == "0"]) <= 2  # children: 2
