@@ -41,7 +41,8 @@ def test_the_trainer_pod_patches_its_runs_status_with_its_service_account(
             {trainer_contract.ENV_NAME: "run", trainer_contract.ENV_NAMESPACE: "team"}
         )
         patcher = StatusPatcher.in_cluster(env)
-        patcher.report(training_status(3))
+        status = training_status(3)  # once: its progress carries the time it was made
+        patcher.report(status)
         token.write_text("rotated\n")
         patcher.report(training_status(4))
 
@@ -50,7 +51,7 @@ def test_the_trainer_pod_patches_its_runs_status_with_its_service_account(
         assert first.headers["Content-Type"] == "application/merge-patch+json"
         assert first.headers["Authorization"] == "Bearer service-account-token"
         assert second.headers["Authorization"] == "Bearer rotated"
-        assert first.body == trainer_contract.trainer_patch(training_status(3))
+        assert first.body == trainer_contract.trainer_patch(status)
         assert first.body["status"]["step"] == 3 and second.body["status"]["step"] == 4
         assert "observedGeneration" not in first.body["status"]
 

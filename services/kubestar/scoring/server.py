@@ -109,26 +109,30 @@ class ScoringServicer(pb_grpc.ScoringServiceServicer):
     ) -> pb.ScoreResponse:
         started = time.monotonic()
         sequences = [list(sequence.token_ids) for sequence in request.sequences]
-        code = grpc.StatusCode.OK
         try:
             check_sequences(sequences, self.model.vocab_size, self.config)
             raw = await self.batcher.score(sequences)
         except InvalidRequest as error:
-            code = grpc.StatusCode.INVALID_ARGUMENT
-            await context.abort(code, str(error))
+            self._count(grpc.StatusCode.INVALID_ARGUMENT, started)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
             raise  # abort raises; this keeps type checkers content
         except Exception as error:  # the model failed (out of memory, ...) or the server stops
-            code = grpc.StatusCode.INTERNAL
             log.exception("scoring failed")
-            await context.abort(code, f"scoring failed: {type(error).__name__}: {error}")
+            self._count(grpc.StatusCode.INTERNAL, started)
+            message = f"scoring failed: {type(error).__name__}: {error}"
+            await context.abort(grpc.StatusCode.INTERNAL, message)
             raise
-        finally:
-            self.metrics.requests.labels(code.name.lower().replace("_", "-")).inc()
-            self.metrics.request_seconds.observe(time.monotonic() - started)
+        self._count(grpc.StatusCode.OK, started)
         scale = self.model.reward_scale
         return pb.ScoreResponse(
             rewards=[pb.Reward(raw=value, squashed=squash(value, scale)) for value in raw]
         )
+
+    def _count(self, code: grpc.StatusCode, started: float) -> None:
+        """Counted before the answer leaves: a caller holding its answer sees its request in
+        /metrics (abort sends the status at once, before any `finally` would run)."""
+        self.metrics.requests.labels(code.name.lower().replace("_", "-")).inc()
+        self.metrics.request_seconds.observe(time.monotonic() - started)
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
