@@ -89,18 +89,37 @@ class FakeServices:
     greedy or PPM-guided evaluation a one-answer tree (the reference answer for the round's
     own policy folder, a wrong one otherwise). Every start and every call is recorded."""
 
-    def __init__(self, ids: Callable[[str], tuple[int, ...]] | None = None) -> None:
+    def __init__(
+        self,
+        ids: Callable[[str], tuple[int, ...]] | None = None,
+        fail_after: int | None = None,
+    ) -> None:
         self.ids = ids
+        self.fail_after = fail_after  # outcomes a call reports before it fails, as if killed
         self.started: list[Path] = []
         self.calls: list[tuple[str, str, bool, str]] = []  # (policy, mode, ground truth, ppm)
+        self.solved: list[str] = []  # the problems solved, by id, in order
 
     @contextmanager
     def serving(self, policy: Path) -> Iterator[SolveFunction]:
         self.started.append(policy)
 
-        def solve(problems: Sequence[Problem], settings: SolveSettings, ppm: str) -> list[Solved]:
+        def solve(
+            problems: Sequence[Problem],
+            settings: SolveSettings,
+            ppm: str,
+            on_done: Callable[[Solved], None] | None = None,
+        ) -> list[Solved]:
             self.calls.append((policy.name, settings.mode, settings.ground_truth, ppm))
-            return [self._solve(problem, settings, policy) for problem in problems]
+            outcomes: list[Solved] = []
+            for problem in problems:
+                if len(outcomes) == self.fail_after:
+                    raise RuntimeError("the engine went away")
+                outcomes.append(self._solve(problem, settings, policy))
+                self.solved.append(problem.id)
+                if on_done is not None:
+                    on_done(outcomes[-1])
+            return outcomes
 
         yield solve
 

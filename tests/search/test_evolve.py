@@ -15,6 +15,7 @@ from kubestar.search.evolve import (
     LINEAGE,
     OLD_GREEDY,
     PAIRS,
+    PARTIAL_TREES,
     SFT_DATA,
     TREES,
     EvalSettings,
@@ -167,6 +168,32 @@ def test_done_stages_are_skipped_when_the_round_runs_again(tmp_path: Path, polic
     assert third.calls == [("base", "mcts", True, "")]
     assert (folder / TREES).exists() and len(read_sft_examples(folder / SFT_DATA)) == 3
     assert manifest["stages"]["data"]["figures"]["sft_examples"] == 3
+
+
+def test_an_interrupted_search_keeps_its_trees_and_searches_only_the_rest(
+    tmp_path: Path, policy: Path
+) -> None:
+    settings = settings_for(tmp_path, policy, limit=4)
+    folder = tmp_path / "round"
+    with pytest.raises(RuntimeError, match="went away"):
+        Round(settings, FakeServices(fail_after=2)).run(until="search")
+    partial = folder / PARTIAL_TREES
+    kept = partial.read_text().splitlines()
+    assert [json.loads(line)["problem"] for line in kept] == ["problems-0", "problems-1"]
+    assert not (folder / TREES).exists()
+    # The interruption cut the third tree's line short.
+    partial.write_text("\n".join(kept) + '\n{"problem": "problems-2", "mo')
+
+    again, lines = FakeServices(), list[str]()
+    manifest = Round(settings, again, lines.append).run(until="search")
+    assert again.solved[:2] == ["problems-2", "problems-3"]  # then the greedy evaluation's
+    assert any("2 trees kept from the interrupted search" in line for line in lines)
+    trees = (folder / TREES).read_text().splitlines()
+    assert [json.loads(line)["problem"] for line in trees] == [f"problems-{k}" for k in range(4)]
+    assert trees[:2] == kept  # as the interrupted search wrote them
+    assert not partial.exists()
+    figures = manifest["stages"]["search"]["figures"]
+    assert (figures["problems"], figures["solved_by_search"]) == (4, 4)
 
 
 def test_a_round_resumes_only_with_its_settings(tmp_path: Path, policy: Path) -> None:

@@ -150,6 +150,7 @@ async def test_trees_are_written_as_jsonl_and_read_back(tmp_path: Path) -> None:
         (n.id, n.N, n.W, n.terminal, n.answer) for n in original
     ]
     assert [n.token_ids for n in restored] == [n.token_ids for n in original]
+    assert Solved.from_record(record, PROBLEM).record() == record
     figures = summary([solved])
     assert (figures["accuracy"], figures["problems"]) == (1.0, 1)
     assert "accuracy              1.000 (1/1 problems)" in format_summary("mcts", figures)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,7 +94,10 @@ class LocalServices:
         ) as services:
 
             def solve(
-                problems: Sequence[Problem], settings: SolveSettings, ppm: str
+                problems: Sequence[Problem],
+                settings: SolveSettings,
+                ppm: str,
+                on_done: Callable[[Solved], None] | None = None,
             ) -> list[Solved]:
                 return asyncio.run(
                     run_solve(
@@ -107,6 +110,7 @@ class LocalServices:
                         ppm=PpmSource(ppm, "", self.ppm_device, tokenizer),
                         tool_timeout=self.tool_timeout,
                         progress=self.progress,
+                        on_done=on_done,
                     )
                 )
 

@@ -132,8 +132,10 @@ async def run_solve(
     ppm: PpmSource,
     tool_timeout: float,
     progress: bool,
+    on_done: Callable[[Solved], None] | None = None,
 ) -> list[Solved]:
-    """Solve every problem against the services (see the module docstring)."""
+    """Solve every problem against the services (see the module docstring); `on_done`
+    receives each outcome as soon as it is found."""
     from tqdm import tqdm
 
     bar = tqdm(
@@ -143,7 +145,12 @@ async def run_solve(
         file=sys.stderr,
         dynamic_ncols=True,
     )
-    done = SolvedTally(bar)
+    tally = SolvedTally(bar)
+
+    def done(solved: Solved) -> None:
+        tally(solved)
+        if on_done is not None:
+            on_done(solved)
 
     try:
         async with solver_stack(

@@ -37,8 +37,9 @@ names another one.
 The folder: `round.json` (the settings, the models, and per stage whether it is done, when,
 how long it took and its figures), then each stage's output. A stage is done once its output
 is complete and round.json says so; running the round again skips the done stages, so an
-interrupted round resumes at the stage it was in. A stage that runs again makes the later
-stages run again too (their inputs changed). A folder made with other settings is refused:
+interrupted round resumes at the stage it was in; an interrupted search keeps the trees it
+found (`PARTIAL_TREES`) and searches only the other problems. A stage that runs again makes
+the later stages run again too (their inputs changed). A folder made with other settings is refused:
 its outputs would not be what the settings say.
 
 The services (an engine serving a policy, the scheduler, the sandbox, the PPM) are the
@@ -80,6 +81,8 @@ FORMAT = "kubestar-evolve/1"
 STAGES = ("search", "data", "sft", "ppm", "evaluate")
 MANIFEST = "round.json"
 TREES = "trees.jsonl"
+# The trees found so far while the search stage runs; what a resumed search skips.
+PARTIAL_TREES = "trees.partial.jsonl"
 SFT_DATA = "sft.jsonl"
 PAIRS = "pairs.jsonl"
 POLICY = "policy"
@@ -103,8 +106,20 @@ FREE_SETTINGS = frozenset({"out", "concurrency", "device"})
 EVAL_SEED_OFFSET = 1
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
-# (problems, how to solve them, a PPM folder or "") -> one outcome per problem, in order.
-SolveFunction = Callable[[Sequence[Problem], SolveSettings, str], list[Solved]]
+
+class SolveFunction(Protocol):
+    def __call__(
+        self,
+        problems: Sequence[Problem],
+        settings: SolveSettings,
+        ppm: str,
+        on_done: Callable[[Solved], None] | None = None,
+    ) -> list[Solved]:
+        """One outcome per problem, in the problems' order; `ppm` is a PPM folder or "".
+        `on_done` receives each outcome as soon as it is found."""
+        ...
+
+
 Progress = Callable[[str], None]
 
 
@@ -536,11 +551,28 @@ class Round:
     def _search(self) -> dict[str, Any]:
         assert self.models is not None
         settings = replace(self._solve_settings(MCTS_MODE), ground_truth=True)
+        partial = self.folder / PARTIAL_TREES
+        found = self._partial_trees(partial)
+        remaining = [problem for problem in self.problems if problem.id not in found]
+        if found:
+            self.progress(
+                f"  {len(found)} trees kept from the interrupted search ({partial}); "
+                f"searching the other {len(remaining)} problems"
+            )
         with self.services.serving(self.models.policy) as solve:
-            solved = solve(self.problems, settings, "")
+            with partial.open("a") as out:
+
+                def keep(solved: Solved) -> None:
+                    out.write(json.dumps(solved.record()) + "\n")
+                    out.flush()
+                    found[solved.problem.id] = solved
+
+                solve(remaining, settings, "", keep)
+            solved = [found[problem.id] for problem in self.problems]
             tmp = self.folder / f"{TREES}.tmp-{os.getpid()}"
             write_trees(tmp, solved)
             tmp.replace(self.folder / TREES)
+            partial.unlink()
             figures = summary(solved)
             figures["solved_by_search"] = sum(
                 any(is_correct(node, s.problem.answer) for node in answer_terminals(s.root))
@@ -552,6 +584,24 @@ class Round:
                 self.progress("  evaluating the search policy greedily while its engine is up")
                 self._evaluate_part(solve, OLD_GREEDY, self.models.policy, GREEDY)
         return figures
+
+    def _partial_trees(self, path: Path) -> dict[str, Solved]:
+        """The round's problems already searched before an interruption, read from `path`,
+        which is rewritten to hold just them: a line cut short by the interruption (or any
+        line that is not one of the round's trees) is dropped and its problem searched again."""
+        problems = {problem.id: problem for problem in self.problems}
+        found: dict[str, Solved] = {}
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                    found[record["problem"]] = Solved.from_record(
+                        record, problems[record["problem"]]
+                    )
+                except (ValueError, KeyError, TypeError):
+                    continue
+        _write_atomic(path, _jsonl([solved.record() for solved in found.values()]))
+        return found
 
     def _data(self) -> dict[str, Any]:
         from kubestar.training.chat import ChatTokenizer

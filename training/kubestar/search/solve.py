@@ -40,7 +40,7 @@ from kubestar.search.baselines import best_of_n, greedy, majority_vote, ppm_vote
 from kubestar.search.mcts import MCTS, Executor, GroundTruth, Scorer, SearchResult, beam_search
 from kubestar.search.ppm_data import Encode
 from kubestar.search.steps import StepFormat
-from kubestar.search.tree import Node, SearchSettings, node_records
+from kubestar.search.tree import Node, SearchSettings, node_records, tree_from_records
 from kubestar.training.datasets import Problem
 
 MCTS_MODE = "mcts"
@@ -107,6 +107,20 @@ class Solved:
             "seconds": round(self.seconds, 3),
             "nodes": node_records(self.root),
         }
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any], problem: Problem) -> Solved:
+        """`problem`'s outcome read back from its line of a trees file (`record`)."""
+        return cls(
+            problem=problem,
+            mode=record["mode"],
+            answer=record["answer"],
+            correct=record["correct"],
+            generated_tokens=record["generated_tokens"],
+            requests=record["requests"],
+            seconds=record["seconds"],
+            root=tree_from_records(record["nodes"]),
+        )
 
 
 @dataclass(frozen=True)
