@@ -22,8 +22,9 @@ scheduler, the PPM of `--ppm` in this process), two parts:
      own (requests land wherever the KV is free). Side by side with ratios: prompt tokens,
      prefill tokens the engines computed (vllm:prompt_tokens_by_source_total,
      source="local_compute"), and the prefix-cache hit rate (vllm:prefix_cache_hits_total /
-     vllm:prefix_cache_queries_total, in tokens), per problem. With one engine there is
-     nothing to choose and the two are alike: affinity needs `--engines` 2 or more.
+     vllm:prefix_cache_queries_total, in tokens), per problem, in all and per engine. With
+     one engine there is nothing to choose and the two are alike: affinity needs
+     `--engines` 2 or more.
 
 Everything goes to RUN_DIR (default runs/search): search-bench.json (the arguments and every
 point's figures) and the PNG; the wall time of each part is printed.
@@ -122,6 +123,9 @@ COUNTERS = {
 }
 
 
+ENGINE_PREFIX = "engine "
+
+
 def counter(text: str, spec: str) -> float | None:
     """The sum of a counter's samples in Prometheus text (`name` or `name{label="value"}`
     to keep the samples with that label); None when the engine does not export it."""
@@ -153,8 +157,9 @@ class EngineMeter:
                     response.raise_for_status()
 
     async def read(self) -> dict[str, float]:
+        """Each counter summed over the engines, and per engine as `engine <i>/<name>`."""
         totals = dict.fromkeys(COUNTERS, 0.0)
-        for url in self.urls:
+        for index, url in enumerate(self.urls):
             client = EngineClient(url, timeout=30)
             try:
                 text = await client.metrics_text()
@@ -166,6 +171,7 @@ class EngineMeter:
                     self.missing.add(spec)
                 else:
                     totals[key] += value
+                    totals[f"{ENGINE_PREFIX}{index}/{key}"] = value
         return totals
 
 
@@ -189,8 +195,19 @@ def per_problem(point: SweepPoint, key: str) -> float:
     return value / len(point.solved) if value is not None and point.solved else math.nan
 
 
-def hit_rate(point: SweepPoint) -> float:
-    return ratio(point.counters.get("cache_hits", 0.0), point.counters.get("cache_queries", 0.0))
+def hit_rate(point: SweepPoint, engine: str = "") -> float:
+    """The prefix-cache hit rate over all engines, or of one (`engine`: "engine 0/")."""
+    return ratio(
+        point.counters.get(f"{engine}cache_hits", 0.0),
+        point.counters.get(f"{engine}cache_queries", 0.0),
+    )
+
+
+def engines_of(point: SweepPoint) -> list[str]:
+    """The per-engine prefixes of a point's counters, in the engines' order."""
+    return sorted(
+        {name.partition("/")[0] + "/" for name in point.counters if name.startswith(ENGINE_PREFIX)}
+    )
 
 
 def print_engines_table(points: list[SweepPoint]) -> None:
@@ -244,6 +261,26 @@ def print_affinity(with_affinity: SweepPoint, without: SweepPoint) -> None:
         ("prefix-cache hit rate", hit_rate(with_affinity), hit_rate(without)),
         ("seconds", with_affinity.seconds, without.seconds),
     ]
+    # Per engine: where the prompts went, what each computed and how often its cache held
+    # the prefix (a total hit rate can stay put while the work moves between engines).
+    for engine in engines_of(with_affinity):
+        rows += [
+            (
+                f"{engine}prompt tokens",
+                per_problem(with_affinity, f"{engine}prompt_tokens"),
+                per_problem(without, f"{engine}prompt_tokens"),
+            ),
+            (
+                f"{engine}prefill tokens computed",
+                per_problem(with_affinity, f"{engine}prefill_tokens"),
+                per_problem(without, f"{engine}prefill_tokens"),
+            ),
+            (
+                f"{engine}prefix-cache hit rate",
+                hit_rate(with_affinity, engine),
+                hit_rate(without, engine),
+            ),
+        ]
     for name, on, off in rows:
         print(f"| {name} | {on:.3f} | {off:.3f} | {ratio(off, on):.2f} |")
 
