@@ -205,9 +205,12 @@ def hit_rate(point: SweepPoint, engine: str = "") -> float:
 
 def engines_of(point: SweepPoint) -> list[str]:
     """The per-engine prefixes of a point's counters, in the engines' order."""
-    return sorted(
-        {name.partition("/")[0] + "/" for name in point.counters if name.startswith(ENGINE_PREFIX)}
-    )
+    indexes = {
+        int(name[len(ENGINE_PREFIX) :].partition("/")[0])
+        for name in point.counters
+        if name.startswith(ENGINE_PREFIX)
+    }
+    return [f"{ENGINE_PREFIX}{index}/" for index in sorted(indexes)]
 
 
 def print_engines_table(points: list[SweepPoint]) -> None:
