@@ -360,13 +360,15 @@ asyncio.run(main())
 """
 
 
-def dispatcher_metrics(tools: Tools, settings: Settings) -> dict[str, float]:
+def dispatcher_metrics(tools: Tools, settings: Settings, pod: str = "") -> dict[str, float]:
+    """The pool's dispatcher's counters: those of `pod`, or of a pod of its Deployment."""
     script = (
         "import urllib.request;"
         "print(urllib.request.urlopen('http://127.0.0.1:9090/metrics', timeout=10).read().decode())"
     )
+    target = f"pod/{pod}" if pod else f"deploy/{POOL}-sandbox"
     text = tools.kubectl_text(
-        "exec", "-n", settings.namespace, f"deploy/{POOL}-sandbox", "--", "python", "-c", script
+        "exec", "-n", settings.namespace, target, "--", "python", "-c", script
     )
     values: dict[str, float] = {}
     for line in text.splitlines():
@@ -875,27 +877,43 @@ FAULTS, FULL = "e2e-faults", "e2e-full"
 STEPS = 9  # e2e/manifests/faults-run.yaml
 
 
-def sandbox_answers(tools: Tools, settings: Settings) -> float:
-    """Tool calls the pool's dispatcher has answered (ok or error) since it started."""
-    metrics = dispatcher_metrics(tools, settings)
+def sandbox_answers(tools: Tools, settings: Settings, dispatcher: str) -> float:
+    """Tool calls the dispatcher pod `dispatcher` has answered (ok or error) since it started."""
+    metrics = dispatcher_metrics(tools, settings, dispatcher)
     return metrics.get("results.ok", 0) + metrics.get("results.error", 0)
 
 
-def tool_calls_answered_during_rollout(
-    faults: Injector, tools: Tools, settings: Settings, step: int
-) -> bool:
-    """Wait for step `step`'s rollout: True as soon as the dispatcher answers a tool call in
-    it, False if it ends without one."""
-    rollout = f"rolling out step {step}"
-    faults.wait_status(f"step {step}'s rollout", lambda s: activity(s) == rollout, 300)
-    answered = sandbox_answers(tools, settings)
+def rollout_step(status: Obj) -> int:
+    """The step whose rollout the run's status says is under way, 0 if none is."""
+    match = re.fullmatch(r"rolling out step (\d+)", activity(status))
+    return int(match.group(1)) if match else 0
 
-    def seen() -> str | None:
-        if sandbox_answers(tools, settings) > answered:
-            return "calls"
-        return "over" if activity(faults.status()) != rollout else None
 
-    return wait_for(f"tool calls in step {step}'s rollout", seen, 300, interval=0.2) == "calls"
+def answering_tool_calls(
+    faults: Injector, tools: Tools, settings: Settings, dispatcher: str, first_step: int
+) -> Obj:
+    """Wait until the dispatcher pod answers a tool call during a rollout of step
+    `first_step` or later, and that rollout is still under way: its status then.
+
+    Only rollouts call the tool, so any rise of the dispatcher's answers comes from one; the
+    status is read after the count, so a rise it sees under a rollout happened in it (or at
+    the end of the rollout before, seconds earlier). The policy calls the tool in some
+    trajectories only, so this follows the rollouts as they come, whatever their steps."""
+    answered = sandbox_answers(tools, settings, dispatcher)
+
+    def calls_in_a_rollout() -> Obj | None:
+        nonlocal answered
+        now = sandbox_answers(tools, settings, dispatcher)
+        status = faults.status()
+        rose, answered = now > answered, now
+        return status if rose and rollout_step(status) >= first_step else None
+
+    return wait_for(
+        f"the dispatcher to answer tool calls in a rollout from step {first_step} on",
+        calls_in_a_rollout,
+        timeout=settings.run_timeout,
+        interval=0.2,
+    )
 
 
 def weights_loaded(scheduler_log: str) -> list[int]:
@@ -1003,12 +1021,8 @@ def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
         # In the middle of a step's tool calls: the first rollout from step 6 on in which
         # the dispatcher answers calls (the policy does not call the tool in every step).
         dispatcher = upgraded["sandbox-dispatcher"]
-        for step in range(6, STEPS + 1):
-            if tool_calls_answered_during_rollout(faults, tools, settings, step):
-                faults.delete("dispatcher", dispatcher, faults.status())
-                break
-        else:
-            raise AssertionError(f"no rollout from step 6 to {STEPS} sent a tool call")
+        status = answering_tool_calls(faults, tools, settings, dispatcher, first_step=6)
+        faults.delete("dispatcher", dispatcher, status)
 
         def finished() -> Obj | None:
             status = run_status(tools, settings, FAULTS)
