@@ -372,8 +372,9 @@ def dispatcher_metrics(tools: Tools, settings: Settings, pod: str = "") -> dict[
     )
     values: dict[str, float] = {}
     for line in text.splitlines():
+        # Status labels as the sandbox spells them: `ok`, `queue-timeout`, `output-limit`...
         match = re.match(
-            r'kubestar_sandbox_(results_total\{status="(\w+)"\}|retries_total) (\S+)', line
+            r'kubestar_sandbox_(results_total\{status="([\w-]+)"\}|retries_total) (\S+)', line
         )
         if match:
             key = f"results.{match.group(2)}" if match.group(2) else "retries"
@@ -474,7 +475,7 @@ def test_sandbox_worker_killed_mid_batch_loses_no_call(
     assert new_worker["metadata"]["uid"] != worker_uid
     after = dispatcher_metrics(tools, settings)
     settings.notes["dispatcher_metrics_after_kill"] = after
-    for status in ("internal", "queue_timeout"):
+    for status in ("internal", "queue-timeout"):
         assert after.get(f"results.{status}", 0) == before.get(f"results.{status}", 0), after
 
 
@@ -806,7 +807,7 @@ def test_run_succeeds_with_step_metrics_and_checkpoint(tools: Tools, settings: S
     metrics_after = dispatcher_metrics(tools, settings)
     settings.notes["dispatcher_metrics_end"] = metrics_after
     assert metrics_after.get("results.internal", 0) == 0, metrics_after
-    assert metrics_after.get("results.queue_timeout", 0) == 0, metrics_after
+    assert metrics_after.get("results.queue-timeout", 0) == 0, metrics_after
 
     watch = Journey.watch
     assert watch is not None
@@ -878,9 +879,10 @@ STEPS = 9  # e2e/manifests/faults-run.yaml
 
 
 def sandbox_answers(tools: Tools, settings: Settings, dispatcher: str) -> float:
-    """Tool calls the dispatcher pod `dispatcher` has answered (ok or error) since it started."""
+    """Tool calls the dispatcher pod `dispatcher` has answered (any status: ok, error,
+    timeout...) since it started."""
     metrics = dispatcher_metrics(tools, settings, dispatcher)
-    return metrics.get("results.ok", 0) + metrics.get("results.error", 0)
+    return sum(value for key, value in metrics.items() if key.startswith("results."))
 
 
 def rollout_step(status: Obj) -> int:
@@ -890,23 +892,33 @@ def rollout_step(status: Obj) -> int:
 
 
 def answering_tool_calls(
-    faults: Injector, tools: Tools, settings: Settings, dispatcher: str, first_step: int
-) -> Obj:
-    """Wait until the dispatcher pod answers a tool call during a rollout of step
-    `first_step` or later, and that rollout is still under way: its status then.
+    faults: Injector,
+    tools: Tools,
+    settings: Settings,
+    dispatcher: str,
+    first_step: int,
+    last_step: int,
+) -> tuple[Obj, bool]:
+    """Wait for a rollout of step `first_step` or later in which the dispatcher pod answers
+    a tool call, while it is still under way: its status then, and True. The policy calls the
+    tool in some trajectories only (and some calls are rejected by the parser, never reaching
+    the sandbox): if none is seen before the rollout of `last_step` starts, that rollout's
+    status and False (its calls, if any, then meet the deleted dispatcher).
 
     Only rollouts call the tool, so any rise of the dispatcher's answers comes from one; the
     status is read after the count, so a rise it sees under a rollout happened in it (or at
-    the end of the rollout before, seconds earlier). The policy calls the tool in some
-    trajectories only, so this follows the rollouts as they come, whatever their steps."""
+    the end of the rollout before, seconds earlier)."""
     answered = sandbox_answers(tools, settings, dispatcher)
 
-    def calls_in_a_rollout() -> Obj | None:
+    def calls_in_a_rollout() -> tuple[Obj, bool] | None:
         nonlocal answered
         now = sandbox_answers(tools, settings, dispatcher)
         status = faults.status()
         rose, answered = now > answered, now
-        return status if rose and rollout_step(status) >= first_step else None
+        step = rollout_step(status)
+        if step >= first_step and (rose or step >= last_step):
+            return status, rose
+        return None
 
     return wait_for(
         f"the dispatcher to answer tool calls in a rollout from step {first_step} on",
@@ -947,7 +959,8 @@ def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
 ) -> None:
     """Delete the trainer pod while step 2 rolls out, the scheduler pod while step 4's
     weights are pushed, upgrade the chart to a new kubestar image while step 5 rolls out,
-    delete the sandbox dispatcher pod while a later step's tool calls run: the run succeeds,
+    delete the sandbox dispatcher pod while a later step's tool calls run (at the latest in
+    the last step's rollout, if no call reached the sandbox before): the run succeeds,
     each step is in the metrics log once and the status's step never falls, no rollout
     sampled from weights older than the previous step's, the step whose tool calls the
     deleted dispatcher was answering is trained once, the replacement scheduler got the
@@ -1019,10 +1032,14 @@ def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
         settings.notes["upgraded_pods"] = upgraded
 
         # In the middle of a step's tool calls: the first rollout from step 6 on in which
-        # the dispatcher answers calls (the policy does not call the tool in every step).
+        # the dispatcher answers calls (the policy does not call the tool in every step), at
+        # the latest the last step's.
         dispatcher = upgraded["sandbox-dispatcher"]
-        status = answering_tool_calls(faults, tools, settings, dispatcher, first_step=6)
+        status, answering = answering_tool_calls(
+            faults, tools, settings, dispatcher, first_step=6, last_step=STEPS
+        )
         faults.delete("dispatcher", dispatcher, status)
+        settings.notes["dispatcher_deleted_answering_calls"] = answering
 
         def finished() -> Obj | None:
             status = run_status(tools, settings, FAULTS)
