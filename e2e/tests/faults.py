@@ -70,15 +70,19 @@ class Injector:
 
         return wait_for(what, reached, timeout=timeout, interval=0.2)
 
-    def running_pod(self, *selectors: str) -> str:
-        pods = [
-            pod
+    def running_pods(self, *selectors: str) -> list[str]:
+        """The running pods of `selectors` that are not being deleted."""
+        return [
+            str(pod["metadata"]["name"])
             for pod in self.tools.items("pods", self.namespace, *selectors)
             if not pod["metadata"].get("deletionTimestamp")
             and (pod.get("status") or {}).get("phase") == "Running"
         ]
-        assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
-        return str(pods[0]["metadata"]["name"])
+
+    def running_pod(self, *selectors: str) -> str:
+        pods = self.running_pods(*selectors)
+        assert len(pods) == 1, pods
+        return pods[0]
 
     def delete(self, name: str, pod: str, status: Obj) -> Fault:
         self.tools.kubectl_text("delete", "pod", pod, "-n", self.namespace, "--wait=false")

@@ -983,24 +983,43 @@ def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
         faults.delete("trainer", first_trainer, status)
         faults.wait_step(3, timeout=600)
 
+        version = 4
         status = faults.wait_status(
-            "step 4's weights push", lambda s: activity(s) == "pushing weights v4", timeout=300
+            f"step {version}'s weights push",
+            lambda s: activity(s) == f"pushing weights v{version}",
+            timeout=300,
         )
         scheduler_selector = (f"{INSTANCE}={FLEET}", f"{COMPONENT}=scheduler")
         scheduler = faults.running_pod(*scheduler_selector)
         faults.delete("scheduler", scheduler, status)
 
-        # Step 5 rolls out once v4 was pushed: the replacement scheduler has it (its log is
-        # read now, before the upgrade replaces that scheduler too).
-        status = faults.wait_status(
+        # Step 5 rolls out with v4: the replacement scheduler got it, by the push's next try
+        # or by the trainer's check before the rollout (its log is read before the upgrade
+        # replaces that scheduler too). On the host's network the replacement waits for the
+        # old pod's ports, so it may start after step 5's rollout did.
+        faults.wait_status(
             "step 5's rollout", lambda s: activity(s) == "rolling out step 5", timeout=600
         )
-        replacement = faults.running_pod(*scheduler_selector)
-        assert replacement != scheduler
-        replacement_log = tools.kubectl_text("logs", replacement, "-n", settings.namespace)
-        (settings.out / f"{replacement}.log").write_text(replacement_log)
 
-        # A release of kubestar while step 5 rolls out: its own image changes everywhere.
+        def replacement_with_weights() -> tuple[str, str] | None:
+            for pod in set(faults.running_pods(*scheduler_selector)) - {scheduler}:
+                log = tools.kubectl_text("logs", pod, "-n", settings.namespace)
+                if version in weights_loaded(log):
+                    return pod, log
+            return None
+
+        replacement, replacement_log = wait_for(
+            f"the replacement scheduler to take weights v{version}",
+            replacement_with_weights,
+            timeout=300,
+            interval=2,
+            describe=functools.partial(pods_and_images, tools, settings),
+        )
+        (settings.out / f"{replacement}.log").write_text(replacement_log)
+        status = faults.status()
+
+        # A release of kubestar while step 5 rolls out (or about then): its own image changes
+        # everywhere.
         engine_selector = (f"{INSTANCE}={FLEET}", f"{COMPONENT}=engine")
         engine, trainer_pod = faults.running_pod(*engine_selector), faults.running_pod(*trainer)
         repository, tag = settings.upgrade_image.rsplit(":", 1)
@@ -1077,21 +1096,18 @@ def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
     assert set(phases) <= set(order), phases
     assert phases == sorted(set(phases), key=order.index), phases
 
-    fault = {f.name: f for f in faults.faults}
     # The dispatcher was deleted while it answered the step's tool calls: the step is in the
     # log once (above). A deleted dispatcher drains the calls in flight before it exits, so
     # usually nothing is lost; a call that is lost spoils its trajectory, which stays out of
     # the groups, and too many spoiled roll the step out again (both in faults-cost.json).
     # The scheduler's deletion during the push of weights vN: the replacement started with
     # none and got vN again, by the push's next try or by the check before step N+1's
-    # rollouts (the trainer counts both in the metrics log), as its own log says.
-    version = int(fault["scheduler"].when.removeprefix("pushing weights v"))
+    # rollouts (the trainer counts both in the metrics log; its own log said so above).
     pushed, rolled_out = steps[version - 1], steps[version]
     assert pushed["weights_push_attempts"] > 1 or rolled_out["weights_pushed_again"] > 0, (
         pushed,
         rolled_out,
     )
-    assert version in weights_loaded(replacement_log), replacement_log[-3000:]
 
     # The upgrade replaced what runs kubestar's image and left the engine and the trainer;
     # the scheduler it started got the current weights (from the operator, which keeps them
