@@ -21,6 +21,7 @@ DIR="${KUBESTAR_CLUSTER_DIR:-$HOME/.cache/kubestar/cluster}"
 OUT="${KUBESTAR_E2E_OUT:-$ROOT/runs/e2e-local-$(date +%Y%m%d-%H%M%S)}"
 PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 APISERVER_PORT="${APISERVER_PORT:-6443}"
+MIN_FREE_GIB=10
 # trainer.sharedCheckpoints.hostPath: the node is this machine, so a folder of DIR.
 SHARED="$DIR/e2e-checkpoints"
 export KUBESTAR_CLUSTER_DIR="$DIR" APISERVER_PORT
@@ -52,6 +53,14 @@ step "install (binaries)" "$HERE/install.sh"
 rm -rf "$DIR/etcd"
 step "cluster start (with node)" env KUBESTAR_WITH_NODE=1 "$HERE/cluster.sh" start "$DIR"
 step "image build" "$ROOT/e2e/images/build.sh"
+# The suite writes about 10 GiB next to the node's images (checkpoints, container layers and
+# logs), and the kubelet evicts the images below 512 MiB free (node.sh): its pods then never
+# start, and the suite times out waiting for them. Say so instead.
+free_gib=$(($(df -Pk "$DIR" | awk 'NR == 2 {print $4}') / 1024 / 1024))
+if ((free_gib < MIN_FREE_GIB)); then
+    log "only $free_gib GiB free on the disk of $DIR; the suite needs $MIN_FREE_GIB GiB: free some and run again"
+    exit 2
+fi
 # The image a chart upgrade mid-run moves to: the same content under another tag, so that
 # every pod of kubestar's own image is replaced (as by a release) at no build cost.
 UPGRADE_IMAGE=kubestar/kubestar:dev-upgrade
