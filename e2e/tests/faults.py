@@ -79,6 +79,22 @@ class Injector:
             and (pod.get("status") or {}).get("phase") == "Running"
         ]
 
+    def save_logs(self, out: Path, *selectors: str) -> None:
+        """Every container log of the pods of `selectors` (the one before a restart too)
+        into `out`, as POD.log: what a failed run's pods said, before the namespace goes."""
+        out.mkdir(parents=True, exist_ok=True)
+        for pod in self.tools.items("pods", self.namespace, *selectors):
+            name = pod["metadata"]["name"]
+            statuses = (pod.get("status") or {}).get("containerStatuses") or []
+            runs: list[tuple[str, list[str]]] = [("", [])]
+            if any(status.get("restartCount") for status in statuses):
+                runs.append((".previous", ["--previous"]))
+            for suffix, previous in runs:
+                result = self.tools.kubectl_run(
+                    "logs", name, "-n", self.namespace, "--all-containers", *previous, check=False
+                )
+                (out / f"{name}{suffix}.log").write_text(result.stdout + result.stderr)
+
     def running_pod(self, *selectors: str) -> str:
         pods = self.running_pods(*selectors)
         assert len(pods) == 1, pods

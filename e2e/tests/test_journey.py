@@ -974,8 +974,8 @@ def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
     faults = Injector(tools, settings.namespace, FAULTS)
     recorder = Recorder(tools, "trainingrun", FAULTS, settings.namespace, interval=1.0)
     recorder.start()
+    trainer = (f"{INSTANCE}={FAULTS}", f"{COMPONENT}=trainer")
     try:
-        trainer = (f"{INSTANCE}={FAULTS}", f"{COMPONENT}=trainer")
         status = faults.wait_status(
             "step 2's rollout", lambda s: activity(s) == "rolling out step 2", timeout=600
         )
@@ -1070,6 +1070,9 @@ def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
     finally:
         recorder.stop()
         recorder.dump(settings.out / "faults-statuses.jsonl")
+        # The pods' own words, whatever happened (a failed trainer's pod stays in the Job).
+        for selector in (trainer, (f"{INSTANCE}={FLEET}",), (f"{INSTANCE}={POOL}",)):
+            faults.save_logs(settings.out / "faults-logs", *selector)
     assert final["phase"] == "Succeeded", json.dumps(final, indent=1)
     assert final["step"] == STEPS, final
 
