@@ -8,13 +8,14 @@ from __future__ import annotations
 import itertools
 import json
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from e2e.tests.kube import Obj, Tools, wait_for
+from e2e.tests.kube import CommandFailed, Obj, Tools, wait_for
 
 INSTANCE = "app.kubernetes.io/instance"
 COMPONENT = "app.kubernetes.io/component"
@@ -81,9 +82,17 @@ class Injector:
 
     def save_logs(self, out: Path, *selectors: str) -> None:
         """Every container log of the pods of `selectors` (the one before a restart too)
-        into `out`, as POD.log: what a failed run's pods said, before the namespace goes."""
+        into `out`, as POD.log: what a failed run's pods said, before the namespace goes.
+        Called in a `finally`: a failure to list the pods is written down, never raised over
+        the test's own failure."""
         out.mkdir(parents=True, exist_ok=True)
-        for pod in self.tools.items("pods", self.namespace, *selectors):
+        try:
+            pods = self.tools.items("pods", self.namespace, *selectors)
+        except (CommandFailed, subprocess.TimeoutExpired) as error:
+            with (out / "unlisted.txt").open("a") as unlisted:
+                unlisted.write(f"{','.join(selectors)}: {error}\n")
+            return
+        for pod in pods:
             name = pod["metadata"]["name"]
             statuses = (pod.get("status") or {}).get("containerStatuses") or []
             runs: list[tuple[str, list[str]]] = [("", [])]
