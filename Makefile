@@ -39,8 +39,15 @@ typecheck: setup
 unit: setup
 	$(BIN)/pytest
 
-# The README's test command: lint, types, then every test (real servers, real processes).
-test: lint typecheck unit
+# The README's test command: lint, types, the local cluster's binaries (built once per machine;
+# the operator tests and `make e2e` use them), then every test (real servers, real processes).
+# Each phase says how long it took (.ci/timed).
+TIMED := .ci/timed
+test: setup
+	@$(TIMED) lint $(MAKE) --no-print-directory lint
+	@$(TIMED) types $(MAKE) --no-print-directory typecheck
+	@$(TIMED) "cluster build" $(MAKE) --no-print-directory cluster-install
+	@$(TIMED) tests $(MAKE) --no-print-directory unit
 
 bench-sandbox: setup
 	$(BIN)/python bench/sandbox_bench.py

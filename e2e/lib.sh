@@ -57,7 +57,9 @@ e2e_traps() {
 
 e2e_suite() { # [PYTEST ARGS...]: e2e/tests against the KUBECONFIG and helm args exported
     cd "$ROOT"
-    "$PYTHON" -m pytest e2e/tests -v -p no:cacheprovider --durations=0 \
+    # A journey step (the fault run, an upgrade mid-run) takes minutes, more under load: the
+    # unit suite's 15-minute limit a test would fail it on a busy machine.
+    "$PYTHON" -m pytest e2e/tests -v -p no:cacheprovider --durations=0 --timeout 2700 \
         -o junit_family=xunit2 --junitxml="$OUT/junit.xml" "$@" > >(tee "$OUT/pytest.txt") 2>&1 &
     E2E_SUITE_PID=$!
     wait "$E2E_SUITE_PID"

@@ -4,6 +4,10 @@ a python with vLLM, the offline test models, importable optional packages.
 Outside CI a test whose real part is missing is skipped, saying why. Under CI (`CI=true`, or
 `KUBESTAR_REQUIRE_REAL_PARTS=1`) it fails instead: a skip would count as green, and CI exists
 to prove that every part is there and works.
+
+This is the suite's only way to skip (tests/test_skip_policy.py refuses `pytest.skip`,
+`skipif` and `importorskip` anywhere else): `missing(reason)` in a test or fixture,
+`requires_root(reason)` as a mark for what only root can run (namespaces, other uids).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import pytest
 from kubestar.engine import launch
 
 REPO = Path(__file__).resolve().parents[1]
+IS_ROOT = os.geteuid() == 0
 # A tiny random Llama with SmolLM2's tokenizer: hidden 256 / 4 heads = head_dim 64, which
 # vLLM's CPU attention supports (it has no kernel for head_dim 16).
 TINY_MODEL = "tiny-random-llama-h256-l2-s0"
@@ -36,6 +41,18 @@ def missing(reason: str) -> NoReturn:
     if required():
         pytest.fail(f"a real part is missing (CI requires it): {reason}", pytrace=False)
     pytest.skip(reason, allow_module_level=True)
+
+
+def requires_root(reason: str) -> pytest.MarkDecorator:
+    """Mark a test that only root can run; tests/conftest.py calls `missing(reason)` for it
+    when the suite runs as another user."""
+    return pytest.mark.requires_root(reason)
+
+
+def require_root(reason: str) -> None:
+    """In a test or fixture: go on only as root."""
+    if not IS_ROOT:
+        missing(f"needs root: {reason}")
 
 
 def require_modules(*names: str) -> None:

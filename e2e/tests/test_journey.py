@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 import subprocess
 import time
@@ -37,6 +36,7 @@ from e2e.tests.faults import (
     metrics_log,
 )
 from e2e.tests.kube import Obj, Recorder, Tools, Watch, condition, wait_for
+from tests.real_parts import missing
 
 pytestmark = pytest.mark.journey
 
@@ -947,9 +947,10 @@ def checkpoint_host_dir(settings: Settings) -> Path:
     """The node's checkpoint folder, where the fault tests read the trainer's metrics log
     and mount a small volume: this machine is the node only on the local cluster."""
     if settings.checkpoint_host_dir is None:
-        if os.environ.get("CI"):
-            pytest.fail("KUBESTAR_E2E_CHECKPOINT_HOST_DIR is not set (e2e/local/run.sh sets it)")
-        pytest.skip("needs the node's checkpoint folder on this machine (the local cluster)")
+        missing(
+            "the node's checkpoint folder on this machine (the local cluster; "
+            "KUBESTAR_E2E_CHECKPOINT_HOST_DIR, which e2e/local/run.sh sets)"
+        )
     return settings.checkpoint_host_dir
 
 

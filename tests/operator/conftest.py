@@ -1,6 +1,7 @@
-"""Fixtures of the operator tests that need a real API server: one local control plane per
-session (e2e/local), the Helm chart installed into it, and the operator running as a
-subprocess with the chart's service account (so the chart's RBAC is what it gets)."""
+"""Fixtures of the operator tests that need a real API server: one local control plane for
+all of them (e2e/local; stopped when the last operator test ends, not at the end of the
+session), the Helm chart installed into it, and the operator running as a subprocess with
+the chart's service account (so the chart's RBAC is what it gets)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ RELEASE = "kubestar"
 _counter = itertools.count()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def cluster() -> Iterator[LocalCluster]:
     reason = LocalCluster.ensure_binaries()
     if reason:
@@ -50,7 +51,7 @@ def cluster() -> Iterator[LocalCluster]:
             local.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def chart(cluster: LocalCluster) -> str:
     """The chart installed with Helm (CRDs, RBAC, settings, the operator Deployment scaled
     to 0: there is no node to run it; the tests run the operator as a process instead)."""
@@ -70,7 +71,7 @@ def chart(cluster: LocalCluster) -> str:
     return SYSTEM
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def auth_token(cluster: LocalCluster, chart: str) -> str:
     """The installation's token, from the Secret the chart made."""
     secret = cluster.api().get(core(chart, "secrets", f"{RELEASE}-auth"))
@@ -78,7 +79,7 @@ def auth_token(cluster: LocalCluster, chart: str) -> str:
     return base64.b64decode(secret["data"]["token"]).decode()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def operator(cluster: LocalCluster, chart: str, auth_token: str) -> Iterator[OperatorProcess]:
     token = cluster.service_account_token(chart, RELEASE)
     kubeconfig = cluster.write_kubeconfig(cluster.directory / "operator.kubeconfig", token, chart)

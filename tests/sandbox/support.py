@@ -16,7 +16,6 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import pytest
 from kubestar.common.net import free_port, wait_serving
 from kubestar.sandbox.client import SandboxClient
 from kubestar.sandbox.executor import ExecutorConfig
@@ -26,14 +25,13 @@ from kubestar.sandbox.pool import ExecutorPool
 from kubestar.sandbox.server import SERVICE_NAME, SandboxServer, ServerConfig
 from kubestar.v1 import sandbox_pb2 as pb
 
-from tests.real_parts import missing
+from tests import real_parts
+from tests.real_parts import IS_ROOT, missing, require_root
 
 T = TypeVar("T")
 
-IS_ROOT = os.geteuid() == 0
-requires_root = pytest.mark.skipif(
-    not IS_ROOT,
-    reason="only as root does the sandbox get namespaces and a separate uid for calls",
+requires_root = real_parts.requires_root(
+    "only as root does the sandbox get namespaces and a separate uid for calls"
 )
 REPO = Path(__file__).resolve().parents[2]
 # The uid sandbox pods run as (the chart's default).
@@ -291,8 +289,8 @@ def start_worker(
     executors: int = 2,
 ) -> ServerProcess:
     """`kubestar sandbox serve` (with `args`) started in `mode` (see WORKER_MODES), serving."""
-    if mode == "root" and not IS_ROOT:
-        pytest.skip("a root worker needs the tests to run as root")
+    if mode == "root":
+        require_root("a root worker needs the tests to run as root")
     prefix = pod_root() if mode == "root" else unprivileged("--uid", POD_UID)
     options = ("--no-isolation", *args) if mode == "no-isolation" else args
     server = ServerProcess(log_dir, *options, prefix=prefix, preload=preload, executors=executors)
@@ -323,7 +321,7 @@ def scratch_dir() -> Path:
             path = Path(tempfile.mkdtemp(prefix="kubestar-sandbox-test-", dir=base))
             path.chmod(0o1777)
             return path
-    pytest.skip("no writable directory outside /tmp, /var/tmp and /dev/shm for files calls see")
+    missing("no writable directory outside /tmp, /var/tmp and /dev/shm for files calls see")
 
 
 def assert_still_serving(client: SandboxClient) -> None:

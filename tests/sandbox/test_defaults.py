@@ -14,7 +14,7 @@ from kubestar.sandbox.limits import MiB
 from kubestar.sandbox.server import ServerConfig
 from kubestar.v1 import sandbox_pb2 as pb
 
-from tests.real_parts import require_modules
+from tests.real_parts import missing, require_modules
 from tests.sandbox.support import ThreadedServer, next_uid_base, pool_of
 
 require_modules("numpy", "sympy")
@@ -198,11 +198,12 @@ for line in open("/proc/self/smaps"):
 """
 
 
-@pytest.mark.skipif(not _huge_pages_enabled(), reason="transparent huge pages are off")
 @pytest.mark.parametrize("preload", ["", "import numpy\n"], ids=["light", "preloaded"])
 def test_calls_run_the_interpreters_code_from_huge_pages(
     default_client: SandboxClient, preload: str
 ) -> None:
+    if not _huge_pages_enabled():
+        missing("transparent huge pages are off (/sys/kernel/mm/transparent_hugepage/enabled)")
     # Copied to huge pages by the zygote, so that no call faults it in again (_forkserver.c).
     result = default_client.execute(preload + WHERE_IS_THE_INTERPRETERS_CODE)
     assert (result.status, result.stdout) == (pb.EXECUTION_STATUS_OK, "anonymous True\n"), result

@@ -20,6 +20,7 @@ from kubestar.sandbox.server import ServerConfig
 from kubestar.v1 import sandbox_pb2 as pb
 from kubestar.v1 import sandbox_pb2_grpc as pb_grpc
 
+from tests.real_parts import missing
 from tests.sandbox.support import (
     ServerProcess,
     ThreadedServer,
@@ -79,7 +80,7 @@ def test_executor_killed_mid_batch(own_server: ThreadedServer, victim: str, zygo
     assert process is not None and process.pid is not None
     if victim == "zygote":
         if not executor.isolation.get("pid_namespace"):
-            pytest.skip("the zygote is the executor process itself without a PID namespace")
+            missing("the zygote is the executor process itself without a PID namespace")
         (target,) = children(process.pid)  # PID 1 of the executor's namespace
     else:
         target = process.pid

@@ -17,6 +17,7 @@ from kubestar.sandbox.client import Call, SandboxClient
 from kubestar.sandbox.server import ServerConfig
 from kubestar.v1 import sandbox_pb2 as pb
 
+from tests.real_parts import missing
 from tests.sandbox.support import (
     IS_ROOT,
     REPO,
@@ -159,7 +160,7 @@ def test_network_is_unreachable(
     server: ThreadedServer, client: SandboxClient, listener: socket.socket
 ) -> None:
     if not pool_of(server).executors[0].isolation.get("network"):
-        pytest.skip("no network namespace on this machine (unprivileged, no user namespaces)")
+        missing("no network namespace on this machine (unprivileged, no user namespaces)")
     port = listener.getsockname()[1]
     code = (
         "import socket\n"

@@ -1,16 +1,20 @@
-"""Fixtures of the scheduler tests: in-process fake engines and schedulers with fast timings."""
+"""Fixtures of the scheduler tests: in-process fake engines and schedulers with fast timings,
+and one pair of real vLLM engines for the session's integration tests."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
+from kubestar.engine.launch import EngineProcess
 from kubestar.scheduler.config import SchedulerConfig
 from kubestar.scheduler.scheduler import Scheduler
 
+from tests.real_parts import tiny_model
+from tests.scheduler.engines import running_engines
 from tests.scheduler.fake_engine import FakeEngine
 
 MakeScheduler = Callable[..., Awaitable[Scheduler]]
@@ -60,3 +64,14 @@ async def make_scheduler() -> AsyncIterator[MakeScheduler]:
     yield make
     for scheduler in started:
         await scheduler.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sequence[EngineProcess]]:
+    """Two real engines on the tiny model with tests/scheduler/engines.py's small KV cache,
+    started once: each module borrows them through `engines.as_found` (test_vllm's last tests
+    kill them; the next borrower gets them started again)."""
+    started = time.monotonic()
+    with running_engines(2, tmp_path_factory.mktemp("engines"), tiny_model()) as pair:
+        print(f"\n[vllm] two engines ready in {time.monotonic() - started:.1f}s")
+        yield pair

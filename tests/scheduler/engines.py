@@ -11,6 +11,7 @@ EngineSettings.environment() always sets), so it cannot make the cache small.
 
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -64,3 +65,17 @@ async def scrape(url: str) -> str:
         return await client.metrics_text()
     finally:
         await client.close()
+
+
+def as_found(engines: Sequence[EngineProcess]) -> Sequence[EngineProcess]:
+    """Engines shared between modules, handed on as a fresh start would leave them: any that
+    an earlier test killed is started again, and every prefix cache is emptied (so that which
+    engine holds a prefix is decided by this module's turns alone)."""
+    for engine in engines:
+        if engine.process is None or engine.process.poll() is not None:
+            engine.stop()
+            engine.start(timeout=300)
+        request = urllib.request.Request(f"{engine.url}/reset_prefix_cache", method="POST")
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200, f"{engine.url}: reset_prefix_cache {response.status}"
+    return engines

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from transformers import AutoTokenizer
 
 from tests.real_parts import tiny_model
-from tests.scheduler.engines import running_engines
+from tests.scheduler.engines import as_found
 
 pytestmark = pytest.mark.slow
 
@@ -47,11 +47,8 @@ def model() -> Path:
 
 
 @pytest.fixture(scope="module")
-def engines(
-    model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Sequence[EngineProcess]]:
-    with running_engines(2, tmp_path_factory.mktemp("engines"), model) as pair:
-        yield pair
+def engines(vllm_pair: Sequence[EngineProcess]) -> Sequence[EngineProcess]:
+    return as_found(vllm_pair)
 
 
 @asynccontextmanager

@@ -10,7 +10,7 @@ import asyncio
 import re
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -25,7 +25,7 @@ from kubestar.scheduler.server import SchedulerServer, ServerConfig
 from kubestar.v1 import rollout_pb2 as pb
 
 from tests.real_parts import engine_python, tiny_model
-from tests.scheduler.engines import running_engines, scrape
+from tests.scheduler.engines import as_found, scrape
 
 pytestmark = pytest.mark.slow
 
@@ -42,13 +42,8 @@ def model() -> Path:
 
 
 @pytest.fixture(scope="module")
-def engines(
-    model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Sequence[EngineProcess]]:
-    started = time.monotonic()
-    with running_engines(2, tmp_path_factory.mktemp("engines"), model) as pair:
-        print(f"\n[vllm] two engines ready in {time.monotonic() - started:.1f}s")
-        yield pair
+def engines(vllm_pair: Sequence[EngineProcess]) -> Sequence[EngineProcess]:
+    return as_found(vllm_pair)
 
 
 @asynccontextmanager

@@ -1,4 +1,5 @@
-"""Module-scoped real services shared by the training tests that need an engine."""
+"""Real services shared by the training tests that need an engine: one vLLM engine for the
+whole session (tests that load weights into it load the model's own), a sandbox per module."""
 
 from __future__ import annotations
 
@@ -16,17 +17,17 @@ from tests.training.rollout_support import start_sandbox
 MAX_MODEL_LEN = 1024
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def python() -> str:
     return engine_python()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model(python: str) -> Path:
     return tiny_model()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def engine(
     python: str, model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EngineProcess]:

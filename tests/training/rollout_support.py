@@ -80,9 +80,13 @@ def wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
 
 def coin_model(folder: Path, questions: list[str], answers: tuple[str, ...] = ("7", "3")) -> Path:
     """The tiny random model taught to answer each of `questions` with `\\boxed{a}` for an `a`
-    of `answers`, each about equally often: sampled, a group's rewards are mixed on purpose.
-    Trained here (a few seconds) and written to `folder` as the engines load it."""
-    from kubestar.training.batch import make_batch
+    of `answers`, each exactly equally often: sampled, a group's rewards are mixed on purpose.
+    Trained here (a few seconds) and written to `folder` as the engines load it.
+
+    A fair coin on every CPU: the answers' tokens share one embedding row (the model ties its
+    output layer to it), projected back to their mean after every step, so their logits are
+    the same number wherever the model runs, and so is what follows them."""
+    import torch
     from kubestar.training.policy import OptimizerConfig, Policy
     from kubestar.training.tools import IM_END, render_prompt
 
@@ -90,16 +94,32 @@ def coin_model(folder: Path, questions: list[str], answers: tuple[str, ...] = ("
 
     base = tiny_model()
     tokenizer = ChatTokenizer.from_model(base)
-    policy = Policy(base, OptimizerConfig(learning_rate=3e-3), device="cpu", micro_batch_size=16)
+    policy = Policy(base, OptimizerConfig(learning_rate=3e-3), device="cpu")
+    model = policy.model
     prompts = [tokenizer.encode(render_prompt(q, system_prompt())) for q in questions]
     replies = [tokenizer.encode(f"The answer is \\boxed{{{a}}}.{IM_END}") for a in answers]
-    rows = [(prompt, reply) for prompt in prompts for reply in replies]
-    batch = make_batch(
-        [prompt for prompt, _ in rows],
-        [reply for _, reply in rows],
-        [[1] * len(reply) for _, reply in rows],
-        pad_id=0,
-    )
+    # Each answer is one token, the only place where the replies differ.
+    common = set.intersection(*(set(reply) for reply in replies))
+    sides = sorted({token for reply in replies for token in reply} - common)
+    assert len(answers) == 1 or len(sides) == len(answers), f"{answers}: not one token each"
+    embeddings = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    assert head.weight.data_ptr() == embeddings.data_ptr()
+    # The loss of the reply tokens only, the output layer applied at their positions alone
+    # (over the whole prompt, its 49,152 columns would cost 40x the rest of the model).
+    rows = [
+        (torch.tensor([prompt + reply]), len(prompt)) for prompt in prompts for reply in replies
+    ]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(40):
-        policy.sft_step(batch)
+        optimizer.zero_grad()
+        loss = torch.zeros(())
+        for ids, start in rows:
+            hidden = model.get_decoder()(input_ids=ids).last_hidden_state[0, start - 1 : -1]
+            loss = loss + torch.nn.functional.cross_entropy(head(hidden), ids[0, start:])
+        loss.backward()
+        optimizer.step()
+        if len(sides) > 1:
+            with torch.no_grad():
+                embeddings[sides] = embeddings[sides].mean(dim=0)
     return policy.save_weights(folder)

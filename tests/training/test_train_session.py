@@ -148,7 +148,11 @@ def test_two_training_processes(tmp_path: Path) -> None:
 
 def test_mixed_rewards_train_every_step(tmp_path: Path) -> None:
     """A policy that answers 7 or 3 at random, on problems whose answer is 7: every group has
-    both rewards, so every step trains tokens, and the trained weights are what moves."""
+    both rewards, so every step trains tokens, and the trained weights are what moves.
+
+    The coin is fair on every CPU (rollout_support.coin_model), and a small learning rate
+    keeps it fair after step 1's update: a step's 16 samples are then all alike 1 time in
+    16,384, and both of its groups of 8 are uniform 1 time in 16,384."""
     import torch
     from safetensors.torch import load_file
 
@@ -161,6 +165,7 @@ def test_mixed_rewards_train_every_step(tmp_path: Path) -> None:
     text = (
         MANIFEST.replace("name: tiny-random-llama", f"name: {model}")
         .replace("groupSize: 2", "groupSize: 4")
+        .replace("learningRate: 1.0e-3", "learningRate: 1.0e-5")
         .replace("generator: basic_arithmetic, size: 20, seed: 3", f"path: {problems}, size: 2")
         .replace("at: [start, end]", "at: [start, end]\n    everySteps: 1")
     )

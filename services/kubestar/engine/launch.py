@@ -22,9 +22,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -192,6 +194,9 @@ class EngineProcess:
         self.inherit_output = inherit_output
         self.process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
+        # vLLM's IPC sockets (one per engine core and API server): a folder of ours, removed
+        # at stop, so that an engine killed by its group leaves no socket behind in /tmp.
+        self._rpc_dir: str | None = None
 
     @property
     def url(self) -> str:
@@ -199,9 +204,13 @@ class EngineProcess:
 
     def start(self, wait: bool = True, timeout: float = 300.0) -> EngineProcess:
         self._log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
+        env = self.settings.environment()
+        if "VLLM_RPC_BASE_PATH" not in env:
+            self._rpc_dir = tempfile.mkdtemp(prefix="kubestar-engine-rpc-")
+            env["VLLM_RPC_BASE_PATH"] = self._rpc_dir
         self.process = subprocess.Popen(
             self.settings.command(),
-            env=self.settings.environment(),
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=self._log or (None if self.inherit_output else subprocess.DEVNULL),
             stderr=subprocess.STDOUT if self._log or not self.inherit_output else None,
@@ -244,6 +253,9 @@ class EngineProcess:
             os.killpg(self.process.pid, signal.SIGKILL)
         if self._log:
             self._log.close()
+        if self._rpc_dir:
+            shutil.rmtree(self._rpc_dir, ignore_errors=True)
+            self._rpc_dir = None
         self.process = None
 
     def kill(self) -> None:

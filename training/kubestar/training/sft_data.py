@@ -513,7 +513,8 @@ class SandboxTools:
     """The agent loop's ToolExecutor over the blocking SandboxClient (calls run in threads).
 
     A call the sandbox does not answer is remembered in `error`: the build then fails with
-    that error instead of producing examples whose tool turns say that the sandbox failed.
+    that error instead of producing examples whose tool turns say that the sandbox failed,
+    and every later call fails at once rather than wait out the client's retries again.
     """
 
     def __init__(self, endpoint: str, timeout: float = 300.0) -> None:
@@ -524,6 +525,8 @@ class SandboxTools:
     async def execute(self, call: Call) -> pb.ExecutionResult:
         import grpc
 
+        if self.error:
+            raise RuntimeError(self.error)
         try:
             return await asyncio.to_thread(self.client.execute, call)
         except grpc.RpcError as exc:
