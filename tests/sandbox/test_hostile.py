@@ -17,9 +17,8 @@ from kubestar.sandbox.client import Call, SandboxClient
 from kubestar.sandbox.server import ServerConfig
 from kubestar.v1 import sandbox_pb2 as pb
 
-from tests.real_parts import missing
+from tests.real_parts import IS_ROOT, missing
 from tests.sandbox.support import (
-    IS_ROOT,
     REPO,
     ServerProcess,
     ThreadedServer,
