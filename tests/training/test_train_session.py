@@ -150,9 +150,10 @@ def test_mixed_rewards_train_every_step(tmp_path: Path) -> None:
     """A policy that answers 7 or 3 at random, on problems whose answer is 7: every group has
     both rewards, so every step trains tokens, and the trained weights are what moves.
 
-    The coin is fair on every CPU (rollout_support.coin_model), and a small learning rate
-    keeps it fair after step 1's update: a step's 16 samples are then all alike 1 time in
-    16,384, and both of its groups of 8 are uniform 1 time in 16,384."""
+    Step 1 samples a coin that is fair on every CPU (rollout_support.coin_model), and a tiny
+    learning rate keeps step 2's close to it (seen here: at 1e-3 step 2 gave no answer at all,
+    at 1e-5 one sample in 5 answered 7; at 1e-7, 13 of 32). Groups of 8, 16 samples each with
+    the oversampling: a step without a mixed group is then about 1 in 10 million."""
     import torch
     from safetensors.torch import load_file
 
@@ -164,8 +165,8 @@ def test_mixed_rewards_train_every_step(tmp_path: Path) -> None:
     )
     text = (
         MANIFEST.replace("name: tiny-random-llama", f"name: {model}")
-        .replace("groupSize: 2", "groupSize: 4")
-        .replace("learningRate: 1.0e-3", "learningRate: 1.0e-5")
+        .replace("groupSize: 2", "groupSize: 8")
+        .replace("learningRate: 1.0e-3", "learningRate: 1.0e-7")
         .replace("generator: basic_arithmetic, size: 20, seed: 3", f"path: {problems}, size: 2")
         .replace("at: [start, end]", "at: [start, end]\n    everySteps: 1")
     )
