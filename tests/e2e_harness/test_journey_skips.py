@@ -13,6 +13,7 @@ PLUGINS = ("-p", "e2e.tests.conftest", "-p", "no:asyncio")
 JOURNEY = """
 import pytest
 from e2e.tests.conftest import at_stake, needs, provides
+from tests.real_parts import missing
 
 pytestmark = pytest.mark.journey
 
@@ -36,7 +37,7 @@ def test_faults():
 @needs("chart", "pool")
 def test_pool_without_its_isolation(request):
     with at_stake(request, "pool"):
-        pytest.skip("not on this node")
+        missing("not on this node")
 
 @needs("chart", "run")
 def test_operator_killed(request):
@@ -52,8 +53,13 @@ def test_unmarked():
 """
 
 
-def outcomes(pytester: pytest.Pytester, installs: bool) -> dict[str, tuple[str, str]]:
-    """Each test's outcome and, for a skip, its reason."""
+def outcomes(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, installs: bool
+) -> dict[str, tuple[str, str]]:
+    """Each test's outcome and, for a skip, its reason. The inner journey runs as outside CI,
+    where a missing part (tests/real_parts.missing) skips: that skip is what it is about."""
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv("KUBESTAR_REQUIRE_REAL_PARTS", raising=False)
     pytester.makepyfile(test_journey=JOURNEY.replace("INSTALLS", str(installs)))
     recorded = pytester.inline_run(*PLUGINS)
     seen: dict[str, tuple[str, str]] = {}
@@ -65,9 +71,11 @@ def outcomes(pytester: pytest.Pytester, installs: bool) -> dict[str, tuple[str, 
     return seen
 
 
-def test_a_failed_run_skips_only_what_needs_it(pytester: pytest.Pytester) -> None:
+def test_a_failed_run_skips_only_what_needs_it(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     chart = "needs the chart installed with a leading operator, which test_operator_killed "
-    assert outcomes(pytester, installs=True) == {
+    assert outcomes(pytester, monkeypatch, installs=True) == {
         "test_install": ("passed", ""),
         "test_apply": ("passed", ""),
         "test_run_succeeds": ("failed", ""),
@@ -79,8 +87,10 @@ def test_a_failed_run_skips_only_what_needs_it(pytester: pytest.Pytester) -> Non
     }
 
 
-def test_a_failed_install_skips_everything_after_it(pytester: pytest.Pytester) -> None:
-    seen = outcomes(pytester, installs=False)
+def test_a_failed_install_skips_everything_after_it(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = outcomes(pytester, monkeypatch, installs=False)
     assert seen.pop("test_install") == ("failed", "")
     assert {outcome for outcome, _ in seen.values()} == {"skipped"}
     assert seen["test_faults"][1] == (
