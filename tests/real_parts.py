@@ -108,6 +108,10 @@ def prepared_model(name: str = TINY_MODEL) -> Path:
     return Path(done.stdout.strip().splitlines()[-1])
 
 
+# The context of the session's engine on the tiny model (`engine` in tests/conftest.py).
+MAX_MODEL_LEN = 1024
+
+
 def tiny_model(hidden_size: int = 256) -> Path:
     return prepared_model(f"tiny-random-llama-h{hidden_size}-l2-s0")
 

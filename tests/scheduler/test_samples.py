@@ -1,7 +1,7 @@
 """Generate with n samples (how a search draws a node's children): one request to one engine,
 n completions, KV reserved for the prompt once and every continuation, and a tree's requests
 kept on the engine that holds its prefix. Fake engines (fast); a real engine:
-test_vllm_samples.py."""
+test_n_samples.py."""
 
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ from kubestar.cli.main import cli
 from kubestar.engine.launch import EngineProcess
 from kubestar.training.evaluation import eval_metrics, format_eval
 
+from tests.real_parts import MAX_MODEL_LEN
 from tests.sandbox.support import ThreadedServer
-from tests.training.conftest import MAX_MODEL_LEN
 from tests.training.rollout_support import REPO
 
 PROBLEMS = [

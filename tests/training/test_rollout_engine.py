@@ -25,8 +25,8 @@ from kubestar.training.rewards import RewardScorer
 from kubestar.training.rollout import AgentLoop, RolloutConfig, rollout
 from kubestar.training.trajectory import ANSWERED, MAX_LENGTH, MODEL, NO_ANSWER, TOOL
 
+from tests.real_parts import MAX_MODEL_LEN
 from tests.sandbox.support import ThreadedServer
-from tests.training.conftest import MAX_MODEL_LEN
 from tests.training.rollout_support import REPO, tool_call
 
 pytestmark = pytest.mark.slow

