@@ -6,6 +6,7 @@
 #   e2e_traps TEARDOWN          # TEARDOWN (a function) runs once at the end; non-zero fails
 #   step NAME COMMAND...        # run and time a step
 #   step "suite (...)" e2e_suite [PYTEST ARGS...]
+#   start_cluster CLUSTER_SH DIR  # CLUSTER_SH start DIR, tried once more after a full stop
 # shellcheck shell=bash
 
 log() { printf '[%s %s] %s\n' "$LOG_TAG" "$(date +%H:%M:%S)" "$*" >&2; }
@@ -63,4 +64,20 @@ e2e_suite() { # [PYTEST ARGS...]: e2e/tests against the KUBECONFIG and helm args
         -o junit_family=xunit2 --junitxml="$OUT/junit.xml" "$@" > >(tee "$OUT/pytest.txt") 2>&1 &
     E2E_SUITE_PID=$!
     wait "$E2E_SUITE_PID"
+}
+
+start_cluster() { # CLUSTER_SH DIR: start the cluster of DIR from an empty etcd
+    # A start that fails (a daemon that exits at once, a node never Ready) is tried once more
+    # after a full stop, each failed try's logs kept in OUT/cluster-start-N: one flake at
+    # cluster start must not cost the whole suite.
+    local cluster_sh="$1" dir="$2" attempt
+    for attempt in 1 2; do
+        rm -rf "$dir/etcd"
+        if "$cluster_sh" start "$dir"; then return 0; fi
+        mkdir -p "$OUT/cluster-start-$attempt"
+        cp -r "$dir/logs/." "$OUT/cluster-start-$attempt/" 2>/dev/null || true
+        log "cluster start $attempt failed (logs in $OUT/cluster-start-$attempt); stopping it"
+        "$cluster_sh" stop "$dir" || true
+    done
+    return 1
 }

@@ -49,23 +49,10 @@ teardown() {
 e2e_traps teardown
 
 step "install (binaries)" "$HERE/install.sh"
-# A fresh cluster state (PKI and the node's images stay), then the cluster with its node. A
-# start that fails (a daemon that exits at once, a node never Ready) is tried once more
-# after a full stop, the first try's logs kept in OUT/cluster-start-1: one flake at cluster
-# start must not cost the whole suite.
-start_cluster() {
-    local attempt
-    for attempt in 1 2; do
-        rm -rf "$DIR/etcd"
-        if KUBESTAR_WITH_NODE=1 "$HERE/cluster.sh" start "$DIR"; then return 0; fi
-        mkdir -p "$OUT/cluster-start-$attempt"
-        cp -r "$DIR/logs/." "$OUT/cluster-start-$attempt/" 2>/dev/null || true
-        log "cluster start $attempt failed (logs in $OUT/cluster-start-$attempt); stopping it"
-        "$HERE/cluster.sh" stop "$DIR" || true
-    done
-    return 1
-}
-step "cluster start (with node)" start_cluster
+# A fresh cluster state (PKI and the node's images stay), then the cluster with its node,
+# tried once more if it does not come up (start_cluster, e2e/lib.sh).
+export KUBESTAR_WITH_NODE=1
+step "cluster start (with node)" start_cluster "$HERE/cluster.sh" "$DIR"
 step "image build" "$ROOT/e2e/images/build.sh"
 # The suite writes about 10 GiB next to the node's images (checkpoints, container layers and
 # logs), and the kubelet evicts the images below 512 MiB free (node.sh): its pods then never

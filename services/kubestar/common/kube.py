@@ -10,7 +10,9 @@ the same ones (kubestar.operator.main).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import base64
+import contextlib
 import json
 import os
 import ssl
@@ -105,7 +107,13 @@ def _data_file(data: str, suffix: str) -> str:
     )
     handle.write(base64.b64decode(data))
     handle.close()
+    atexit.register(_remove, handle.name)
     return handle.name
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 def from_kubeconfig(path: str | Path | None = None, context: str | None = None) -> Connection:

@@ -8,6 +8,7 @@ import logging
 import marshal
 import os
 import re
+import shutil
 import signal
 import socket
 import struct
@@ -241,6 +242,8 @@ class ZygoteProcess:
         self.isolation: dict[str, Any] = {}
         # Bytes of the interpreter's code the zygote maps from huge pages (_forkserver.c).
         self.code_in_huge_pages = 0
+        # The zygote's folder of calls on the shared /tmp ("" : on a private /tmp of its own).
+        self.shared_work_root = ""
         self._channel: ZygoteChannel | None = None
 
     @property
@@ -296,6 +299,7 @@ class ZygoteProcess:
             raise IsolationUnavailable(self.name, ready["error"])
         self.isolation = ready["isolation"]
         self.code_in_huge_pages = ready["code_in_huge_pages"]
+        self.shared_work_root = ready["shared_work_root"]
 
     def submit(self, code: str, stdin: str, limits: CallLimits) -> asyncio.Future[dict[str, Any]]:
         """Send one call; the future gets its answer (see `make_answer`), or ExecutorDied if the
@@ -327,6 +331,9 @@ class ZygoteProcess:
             with contextlib.suppress(ProcessLookupError):
                 self.process.kill()
             await self.process.wait()
+        if self.shared_work_root:
+            shutil.rmtree(self.shared_work_root, ignore_errors=True)
+            self.shared_work_root = ""
 
 
 def make_answer(header: tuple[Any, ...], output: bytes, limits: CallLimits) -> dict[str, Any]:

@@ -93,6 +93,8 @@ def serve(fd: int, settings: dict[str, Any]) -> None:
         "isolation": isolation,
         "baseline_vm_bytes": baseline_vm_bytes,
         "code_in_huge_pages": code_in_huge_pages,
+        # On the shared /tmp, the worker removes it when this zygote is gone.
+        "shared_work_root": "" if isolation["mount_namespace"] else work_root,
     }
     os.write(fd, encode_message({**ready, "pid": os.getpid()}))
     _forkserver.serve(
