@@ -69,7 +69,7 @@ def train(
     from kubestar.engine.models import resolve_model
     from kubestar.training.checkpoint import CheckpointVolumeFull
     from kubestar.training.distributed import World, local_ranks
-    from kubestar.training.local import LocalStack
+    from kubestar.training.local import LocalStack, ServiceFailed
     from kubestar.training.progress import FileReporter
     from kubestar.training.report import write_report
     from kubestar.training.runlock import hold_run_folder
@@ -155,8 +155,9 @@ def train(
         rank_command = [sys.executable, "-m", "kubestar.cli.main", "train", "-f", manifest]
         rank_command += ["--run-dir", str(directory), "--log-level", log_level]
         stop = StopRequest().install()
+        # The services come up while the training processes load the model.
         with (
-            stack.running() as endpoints,
+            stack.running(wait=False) as endpoints,
             local_ranks(processes, rank_command, directory / "logs") as ranks,
         ):
             session = TrainingSession(
@@ -169,6 +170,7 @@ def train(
                 call_limits=pool.spec.limits,
                 world=ranks if ranks.sharded else world,
                 stop=stop,
+                services_ready=stack.wait_ready,
             )
             try:
                 status = session.run_all()
@@ -179,6 +181,9 @@ def train(
             except CheckpointVolumeFull as full:
                 bar.close()
                 _exit_volume_full(full, None)
+            except ServiceFailed as failed:
+                bar.close()
+                raise click.ClickException(str(failed)) from None
         bar.close()
         report = write_report(directory)
         logging.getLogger(__name__).info("done")

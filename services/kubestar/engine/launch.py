@@ -294,12 +294,18 @@ def running_engines(
             engine = EngineProcess(one, log_path=log_dir / f"engine-{index}.log")
             stack.callback(engine.stop)
             engines.append(engine.start(wait=False))
-        for engine in engines:
-            try:
-                engine.wait_ready(timeout)
-            except (RuntimeError, TimeoutError) as error:
-                raise RuntimeError(f"{error}\n{log_tail(engine.log_path)}") from None
+        wait_engines_ready(engines, timeout)
         yield engines
+
+
+def wait_engines_ready(engines: Sequence[EngineProcess], timeout: float = 300.0) -> None:
+    """Until every engine serves; RuntimeError, with the end of its log, for the first that
+    exits or is not ready in `timeout` seconds."""
+    for engine in engines:
+        try:
+            engine.wait_ready(timeout)
+        except (RuntimeError, TimeoutError) as error:
+            raise RuntimeError(f"{error}\n{log_tail(engine.log_path)}") from None
 
 
 def one_cpu_each(count: int) -> list[str]:

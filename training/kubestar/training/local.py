@@ -25,7 +25,7 @@ from kubestar.engine.launch import (
     EngineSettings,
     die_with_parent,
     log_tail,
-    running_engines,
+    wait_engines_ready,
 )
 from kubestar.training.endpoints import Endpoints
 
@@ -99,6 +99,8 @@ class LocalStack:
         self.sandbox_timeout = sandbox_timeout
         self.engines: list[EngineProcess] = []
         self._processes: list[subprocess.Popen[bytes]] = []
+        # Services started and not yet seen serving: (name, endpoint, process).
+        self._waits: list[tuple[str, str, subprocess.Popen[bytes]]] = []
         self._stack = contextlib.ExitStack()
 
     @classmethod
@@ -141,32 +143,42 @@ class LocalStack:
             ),
         )
 
-    def start(self) -> Endpoints:
-        """Start everything and wait until it serves; "" for a service the stack has none of.
-        Raises ServiceFailed when one does not come up."""
+    def start(self, wait: bool = True) -> Endpoints:
+        """Start everything ("" for a service the stack has none of) and, with `wait`, wait
+        until it serves. Without it, the caller does what needs no service (a trainer loads
+        its model) while they come up, and calls `wait_ready` before it uses them."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        sandbox = ""
-        sandbox_process: subprocess.Popen[bytes] | None = None
+        sandbox = scheduler = ""
         if self.sandbox is not None:
             sandbox = f"127.0.0.1:{free_port()}"
-            # Started first: its executors come up while the engines load.
-            sandbox_process = self._spawn("sandbox", self.sandbox.serve_args(sandbox))
-        if self.engine_settings:
-            try:
-                self.engines = self._stack.enter_context(
-                    running_engines(self.engine_settings, self.log_dir, self.engine_timeout)
-                )
-            except RuntimeError as error:
-                raise ServiceFailed(str(error)) from None
-        if sandbox_process is not None:
-            self._wait_serving("sandbox", sandbox, sandbox_process, self.sandbox_timeout)
-        scheduler = ""
+            self._waits.append(
+                ("sandbox", sandbox, self._spawn("sandbox", self.sandbox.serve_args(sandbox)))
+            )
+        for index, settings in enumerate(self.engine_settings):
+            engine = EngineProcess(settings, log_path=self.log_dir / f"engine-{index}.log")
+            self._stack.callback(engine.stop)
+            self.engines.append(engine.start(wait=False))
         if self.scheduler is not None:
+            # Up before its engines: it probes them until they answer.
             scheduler = f"127.0.0.1:{free_port()}"
             engine_urls = [engine.url for engine in self.engines]
             process = self._spawn("scheduler", self.scheduler.serve_args(scheduler, engine_urls))
-            self._wait_serving("scheduler", scheduler, process, 180.0)
+            self._waits.append(("scheduler", scheduler, process))
+        if wait:
+            self.wait_ready()
         return Endpoints(scheduler=scheduler, sandbox=sandbox)
+
+    def wait_ready(self) -> None:
+        """Until every service serves. Raises ServiceFailed, with the end of its log, for
+        the first that exits or does not come up in time."""
+        try:
+            wait_engines_ready(self.engines, self.engine_timeout)
+        except RuntimeError as error:
+            raise ServiceFailed(str(error)) from None
+        for name, endpoint, process in self._waits:
+            timeout = self.sandbox_timeout if name == "sandbox" else 180.0
+            self._wait_serving(name, endpoint, process, timeout)
+        self._waits.clear()
 
     def stop(self) -> None:
         for process in reversed(self._processes):
@@ -182,12 +194,13 @@ class LocalStack:
                 process.wait()
         self._stack.close()
         self._processes.clear()
+        self._waits.clear()
         self.engines = []
 
     @contextlib.contextmanager
-    def running(self) -> Iterator[Endpoints]:
+    def running(self, wait: bool = True) -> Iterator[Endpoints]:
         try:
-            yield self.start()
+            yield self.start(wait)
         finally:
             self.stop()
 

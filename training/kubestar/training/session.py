@@ -121,17 +121,21 @@ class TrainingSession:
         call_limits: CallLimitsSpec | None = None,
         world: World = SINGLE,
         stop: StopRequest | None = None,
+        services_ready: Callable[[], None] | None = None,
     ) -> None:
         """`call_limits`: the SandboxPool's per-call limits, applied to every tool call.
         `world`: this process's rank in a sharded trainer. `stop`: set when the process is
         asked to stop (SIGTERM): the session checkpoints the step in progress and raises
-        TrainingStopped."""
+        TrainingStopped. `services_ready`: returns once the endpoints serve (services
+        still starting, as a local run's do while the model loads); called before their
+        first use."""
         self.run = run
         self.world = world
         self.stop = stop or StopRequest()
         self.call_limits = call_limits or CallLimitsSpec()
         self.spec = run.spec
         self.endpoints = endpoints
+        self.services_ready = services_ready or (lambda: None)
         self.run_dir = run_dir
         self.model_dir = model_dir
         self.reporter = reporter
@@ -188,6 +192,7 @@ class TrainingSession:
             )
             self.stop.reclaim()
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.services_ready()
         worker: Any = (
             ray.remote(RolloutWorker)
             # A worker lost to a crash (or Ray's memory monitor) is restarted and its call
