@@ -10,9 +10,8 @@ bucketed weight push, a sharded checkpoint) and this prints what a GPU adds:
     state (fp32 weights, gradients and AdamW moments: 16 bytes a parameter) plus activations;
   * the weight push's GB/s (bf16 bytes written per second, gathered in buckets).
 
-The precision is what the trainer computes in at world size 1 today (fp32: the bf16 mixed
-policy applies only inside FSDP2 over several ranks), so MFU against the bf16 peak is what a
-user of this build would get, not what the hardware can do.
+It trains in `--precision` (trainer.precision; `auto`, bf16 on a GPU), so MFU against the
+bf16 peak is what a user of this build gets, not what the hardware can do.
 
     bench/gpu_check.sh                       # on a GPU machine: Qwen3-0.6B's shape
     bench/gpu_check.sh --size tiny --device-check-off   # the same path on a CPU, in seconds
@@ -77,6 +76,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=1024, help="tokens per row")
     parser.add_argument("--steps", type=int, default=3, help="timed steps")
     parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak")
     parser.add_argument(
         "--device-check-off", action="store_true", help="run on a machine without a GPU"
@@ -103,7 +103,8 @@ def main() -> int:
             str(ROOT / "bench" / "trainer_bench.py"),
             "--worlds", "1", "--model", str(folder), "--rows", str(args.rows),
             "--tokens", str(args.tokens), "--steps", str(args.steps), "--warmup", "1",
-            "--micro-batch-size", str(args.micro_batch_size), "--json", str(figures),
+            "--micro-batch-size", str(args.micro_batch_size), "--precision", args.precision,
+            "--json", str(figures),
         ]  # fmt: skip
         subprocess.run(command, check=True)
         rank = json.loads(figures.read_text())["worlds"][0]["ranks"][0]
@@ -117,6 +118,7 @@ def main() -> int:
     result = {
         "device": device,
         "size": args.size,
+        "precision": args.precision,
         "parameters": parameters,
         "rows": args.rows,
         "tokens_per_row": args.tokens,

@@ -153,6 +153,7 @@ def measure(args: argparse.Namespace, world: Any) -> dict[str, Any]:
         OptimizerConfig(learning_rate=1e-5),
         micro_batch_size=args.micro_batch_size,
         world=world,
+        precision=args.precision,
     )
     report: dict[str, Any] = {
         "rank": world.rank,
@@ -246,6 +247,8 @@ def run_world(args: argparse.Namespace, size: int) -> dict[str, Any]:
         str(args.warmup),
         "--micro-batch-size",
         str(args.micro_batch_size),
+        "--precision",
+        args.precision,
         "--bucket-bytes",
         str(args.bucket_bytes),
     ]
@@ -319,6 +322,12 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per world")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument(
+        "--precision",
+        choices=("auto", "bf16", "fp32"),
+        default="auto",
+        help="trainer.precision (auto: bf16 on GPUs, fp32 on CPU)",
+    )
     parser.add_argument(
         "--bucket-bytes", type=int, default=1 << 30, help="the weight push's bucket (bf16 bytes)"
     )

@@ -291,6 +291,42 @@ def damaged_scenario(model_dir: Path, out: Path) -> None:
     close_world()
 
 
+def computed_dtypes(model: torch.nn.Module) -> set[str]:
+    """The dtypes the model's linear layers compute in, filled in as it runs (forward hooks)."""
+    seen: set[str] = set()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_hook(lambda _m, _i, output: seen.add(str(output.dtype)))
+    return seen
+
+
+def precision_scenario(model_dir: Path, out: Path, precision: str) -> None:
+    """One SFT step at trainer.precision `precision`; each rank records the dtypes its
+    forward and backward passes computed in, those of its master weights and optimizer state,
+    and whether the update moved the weights (precision-rank-N.json)."""
+    world = World.from_env()
+    policy = Policy(
+        model_dir,
+        OptimizerConfig(learning_rate=LEARNING_RATE),
+        device="cpu",
+        world=world,
+        precision=precision,
+    )
+    computed = computed_dtypes(policy.model)
+    before = full_parameters(policy)
+    policy.sft_step(sft_batch().rows(shard(SFT_ROWS, world)))
+    after = full_parameters(policy)
+    moments = [t for state in policy.optimizer.state.values() for t in state.values()]
+    report = {
+        "computed": sorted(computed),
+        "master": sorted({str(p.dtype) for p in policy.model.parameters()}),
+        "optimizer": sorted({str(t.dtype) for t in moments if t.dim() > 0}),
+        "moved": any(not torch.equal(before[name], after[name]) for name in before),
+    }
+    (out / f"precision-rank-{world.rank}.json").write_text(json.dumps(report))
+    close_world()
+
+
 def flip_byte(path: Path) -> None:
     """Flip every bit of the byte in the middle of `path` (its size stays)."""
     data = bytearray(path.read_bytes())
@@ -318,7 +354,10 @@ def full_scenario(model_dir: Path, out: Path, volume: Path) -> None:
 
 
 if __name__ == "__main__":
-    if "--checkpoint" in sys.argv:
+    if "--precision" in sys.argv:
+        precision = sys.argv[sys.argv.index("--precision") + 1]
+        precision_scenario(Path(sys.argv[1]), Path(sys.argv[2]), precision)
+    elif "--checkpoint" in sys.argv:
         phase = sys.argv[sys.argv.index("--checkpoint") + 1]
         if phase == "damaged":
             damaged_scenario(Path(sys.argv[1]), Path(sys.argv[2]))

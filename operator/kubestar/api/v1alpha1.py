@@ -607,6 +607,13 @@ class TrainerSpec(Spec):
         description="Where the trainer computes: cuda (NVIDIA or ROCm GPUs), cpu, or auto (a "
         "GPU when one is visible).",
     )
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto",
+        description="What the trainer computes in. bf16: mixed precision (the forward and "
+        "backward passes in bf16; master weights, optimizer state and gradient reductions in "
+        "fp32), at every world size. fp32: fp32 throughout. auto: bf16 on GPUs, fp32 on CPU "
+        "(CPU kernels gain little from bf16).",
+    )
     processes_per_worker: int = Field(
         1,
         ge=1,

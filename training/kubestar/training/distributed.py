@@ -63,11 +63,20 @@ SINGLE = World()
 
 @dataclass(frozen=True)
 class ShardingConfig:
-    # bf16 compute with fp32 master weights and fp32 gradient reductions on GPUs; fp32 on CPU
-    # (CPU kernels gain nothing from bf16).
-    mixed_precision: bool = True
     # Recompute each decoder layer's activations in the backward pass: memory for compute.
     activation_checkpointing: bool = False
+
+
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """What the forward and backward passes compute in for trainer.precision on `device`:
+    bf16 (mixed: the master weights, optimizer state and gradient reductions stay fp32) or
+    fp32. auto: bf16 on GPUs, fp32 on CPU (CPU kernels gain little from bf16)."""
+    if precision == "auto":
+        precision = "fp32" if device.type == "cpu" else "bf16"
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    if precision not in dtypes:
+        raise ValueError(f"trainer.precision: {precision!r} is not auto, bf16 or fp32")
+    return dtypes[precision]
 
 
 def device_for(world: World, name: str = "auto") -> torch.device:
@@ -149,18 +158,17 @@ def shard(rows: int, world: World) -> list[int]:
 
 
 def shard_model(
-    model: torch.nn.Module, world: World, device: torch.device, config: ShardingConfig
+    model: torch.nn.Module, world: World, device: torch.device, param_dtype: torch.dtype
 ) -> None:
     """FSDP2 in place: each decoder layer is one unit (all-gathered for its forward and
-    backward, then freed), the root holds the rest (embeddings, final norm, head)."""
+    backward, then freed), the root holds the rest (embeddings, final norm, head). The
+    shards stay fp32; a unit is gathered (and computes) in `param_dtype`, and gradients are
+    reduced in fp32."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (world.size,))
-    if device.type == "cuda" and config.mixed_precision:
-        precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    else:
-        precision = MixedPrecisionPolicy()
+    precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     layer_types = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in layer_types]
     if not layers:

@@ -22,6 +22,7 @@ from kubestar.training.distributed import (
     ShardingConfig,
     World,
     all_reduce,
+    compute_dtype,
     device_for,
     init_world,
     shard_model,
@@ -50,7 +51,9 @@ class Policy:
         seed: int = 0,
         world: World = SINGLE,
         sharding: ShardingConfig | None = None,
+        precision: str = "auto",
     ) -> None:
+        """`precision`: trainer.precision (auto, bf16 or fp32; `compute_dtype`)."""
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
@@ -58,6 +61,7 @@ class Policy:
         self.world = world
         self.device = device_for(world, device)
         init_world(world, self.device)
+        self.compute_dtype = compute_dtype(precision, self.device)
         # Master weights in fp32 (bf16 AdamW updates of 1e-6 would round to nothing).
         model: Any = AutoModelForCausalLM.from_pretrained(self.source, dtype=torch.float32)
         model.config.use_cache = False
@@ -67,7 +71,8 @@ class Policy:
             recompute = {"use_reentrant": False}
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=recompute)
         if world.sharded:
-            shard_model(model, world, self.device, sharding)  # moves the shards to the device
+            # Moves the shards to the device; FSDP2 gathers them in the compute dtype.
+            shard_model(model, world, self.device, self.compute_dtype)
             self.model = model
         else:
             self.model = model.to(self.device)
@@ -107,7 +112,11 @@ class Policy:
         width = int(batch.attention_mask.sum(dim=1).max().item())
         input_ids = batch.input_ids[:, :width].to(self.device)
         attention_mask = batch.attention_mask[:, :width].to(self.device)
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+        # Unsharded, autocast computes in the compute dtype (sharded, FSDP2's gathered
+        # parameters already are); the weights themselves stay fp32 either way.
+        mixed = not self.world.sharded and self.compute_dtype != torch.float32
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=mixed):
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
         logprobs = token_logprobs(logits, input_ids)  # [b, width-1]
         return torch.nn.functional.pad(logprobs, (0, batch.loss_mask.shape[1] - (width - 1)))
 

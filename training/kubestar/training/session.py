@@ -174,6 +174,7 @@ class TrainingSession:
             micro_batch_size=trainer_spec.micro_batch_size,
             world=self.world,
             sharding=ShardingConfig(activation_checkpointing=trainer_spec.activation_checkpointing),
+            precision=trainer_spec.precision,
         )
         if not self.world.main:
             self._run(policy, None)  # follows rank 0's steps; rollouts are rank 0's
