@@ -327,6 +327,37 @@ def precision_scenario(model_dir: Path, out: Path, precision: str) -> None:
     close_world()
 
 
+# Tensors whose rows do not divide evenly: at world size 2, rank 1 holds 2 of "odd"'s rows and
+# none of "one_row"'s; "ints" is replicated (taken whole, its dtype kept).
+GATHERED = {
+    "odd": torch.arange(15, dtype=torch.float32).reshape(5, 3) / 7,
+    "one_row": torch.arange(4, dtype=torch.float32).reshape(1, 4) / 3,
+    "vector": torch.arange(7, dtype=torch.float32) / 11,
+    "ints": torch.arange(6),
+}
+
+
+def gather_scenario(out: Path) -> None:
+    """One bucket of GATHERED's tensors, row-sharded as FSDP2 shards them, gathered whole
+    onto rank 0 (gathered.pt)."""
+    from kubestar.training.distributed import init_world
+    from kubestar.training.weights import gather_bucket
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    world = World.from_env()
+    init_world(world, torch.device("cpu"))
+    mesh = init_device_mesh("cpu", (world.size,))
+    entries = [
+        (key, distribute_tensor(value, mesh, [Replicate() if key == "ints" else Shard(0)]))
+        for key, value in GATHERED.items()
+    ]
+    held = gather_bucket(entries, world)
+    if world.main:
+        torch.save(held, out / "gathered.pt")
+    close_world()
+
+
 def flip_byte(path: Path) -> None:
     """Flip every bit of the byte in the middle of `path` (its size stays)."""
     data = bytearray(path.read_bytes())
@@ -357,6 +388,8 @@ if __name__ == "__main__":
     if "--precision" in sys.argv:
         precision = sys.argv[sys.argv.index("--precision") + 1]
         precision_scenario(Path(sys.argv[1]), Path(sys.argv[2]), precision)
+    elif "--gather" in sys.argv:
+        gather_scenario(Path(sys.argv[2]))
     elif "--checkpoint" in sys.argv:
         phase = sys.argv[sys.argv.index("--checkpoint") + 1]
         if phase == "damaged":

@@ -25,6 +25,7 @@ from kubestar.training.distributed import World  # noqa: E402
 from kubestar.training.weights import INDEX_FILE, SINGLE_FILE, plan_buckets  # noqa: E402
 
 from tests.training.distributed_update import (  # noqa: E402
+    GATHERED,
     SMALL_BUCKET_BYTES,
     new_policy,
     next_steps,
@@ -67,6 +68,18 @@ def test_buckets_hold_at_most_the_bucket_size_or_one_larger_tensor() -> None:
     assert plan_buckets([5], 1 << 30) == [[0]]
     with pytest.raises(ValueError, match="bucket_bytes"):
         plan_buckets([1], 0)
+
+
+@pytest.mark.slow
+def test_a_bucket_is_gathered_whole_from_uneven_row_shards(model_dir: Path, tmp_path: Path) -> None:
+    """One gather per bucket puts every tensor together from its ranks' rows, however
+    unevenly they divide (a rank with none included), in bf16; other tensors come whole."""
+    run_ranks(WORLD_SIZE, str(model_dir), str(tmp_path), "--gather")
+    held = torch.load(tmp_path / "gathered.pt")
+    assert list(held) == list(GATHERED)  # the bucket's order
+    for key, value in GATHERED.items():
+        expected = value.to(torch.bfloat16) if value.is_floating_point() else value
+        assert torch.equal(held[key], expected), key
 
 
 @pytest.mark.slow

@@ -9,11 +9,11 @@
 Nobody holds the whole fp32 model. The tensors are split into buckets of at most
 `bucket_bytes` of bf16 (a tensor larger than that is a bucket of its own), planned from the
 tensors' global shapes, so every rank knows the files before any is written. For each
-tensor of a bucket, every rank takes part in gathering it (`DTensor.full_tensor()`, one
-all-gather), and the gathered fp32 tensor is cast to bf16 at once; rank 0 keeps the bf16
-copy until the bucket is complete, writes it as one safetensors file and drops it. Rank 0
-therefore holds at most one bucket plus the one fp32 tensor being gathered. World size 1
-takes the same path with plain tensors.
+bucket, every rank casts its shards of the bucket's tensors (FSDP2's row shards) to bf16
+into one flat buffer, and one gather brings every rank's buffer to rank 0, which puts each
+tensor together from its rows, writes the bucket as one safetensors file and drops it: one
+collective per bucket, not one per tensor, and rank 0 holds at most one bucket (plus the
+padding of uneven row shards). World size 1 takes the same path with plain tensors.
 
 The folder appears atomically: written under a temporary name, renamed into place. vLLM
 (`reload_weights`) and transformers read sharded folders with an index as they read one file.
@@ -123,6 +123,66 @@ def write_config(model: Any, source: Path, folder: Path) -> None:
             shutil.copy(source / name, folder / name)
 
 
+def _row_sharded(tensor: torch.Tensor) -> bool:
+    """A DTensor split by rows over the whole world (FSDP2's Shard(0)), floating point."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return (
+        isinstance(tensor, DTensor)
+        and tensor.placements == (Shard(0),)
+        and tensor.is_floating_point()
+        and tensor.dim() > 0
+    )
+
+
+def gather_bucket(entries: list[tuple[str, torch.Tensor]], world: World) -> dict[str, torch.Tensor]:
+    """The tensors of one bucket whole, bf16 on the CPU, on rank 0 ({} on the other ranks).
+    Collective when sharded: every rank calls it with the same tensors in the same order.
+
+    Row-sharded tensors travel in one gather: each rank packs its rows of every such tensor,
+    cast to bf16 and padded to the longest rank's share (rows are dealt as torch.chunk deals
+    them: ceil(rows / N) to each rank in turn), into one flat buffer. Anything else (a
+    replicated or plain tensor) is taken whole, as it is."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = [(key, tensor) for key, tensor in entries if _row_sharded(tensor)]
+    held: dict[str, torch.Tensor] = {}
+    if sharded:
+        import torch.distributed as dist
+
+        # [rows per rank share, elements per row] of each tensor; the buffer is their sum.
+        shares = [(-(-t.shape[0] // world.size), t[0].numel()) for _, t in sharded]
+        pieces = []
+        for (_, tensor), (share_rows, row_numel) in zip(sharded, shares, strict=True):
+            local = tensor.to_local().detach().to(EXPORT_DTYPE).reshape(-1)  # type: ignore[attr-defined]
+            piece = local.new_zeros(share_rows * row_numel)
+            piece[: local.numel()] = local
+            pieces.append(piece)
+        buffer = torch.cat(pieces)
+        parts = [torch.empty_like(buffer) for _ in range(world.size)] if world.main else None
+        dist.gather(buffer, parts, dst=0)
+        del buffer, pieces
+        if parts is not None:
+            offset = 0
+            for (key, tensor), (share_rows, row_numel) in zip(sharded, shares, strict=True):
+                rows = []
+                for rank, part in enumerate(parts):
+                    count = max(0, min(share_rows, tensor.shape[0] - rank * share_rows))
+                    rows.append(part[offset : offset + count * row_numel])
+                offset += share_rows * row_numel
+                held[key] = torch.cat(rows).reshape(tensor.shape).to("cpu").contiguous()
+            del parts
+    for key, tensor in entries:
+        if _row_sharded(tensor):
+            continue
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if world.main:
+            held[key] = _exported(full)
+        del full
+    # The bucket's own order (the plan's), whichever way each tensor came.
+    return {key: held[key] for key, _ in entries if key in held}
+
+
 def write_weights(
     model: torch.nn.Module,
     source: Path,
@@ -134,7 +194,6 @@ def write_weights(
     rank calls it, rank 0 writes. Returns what was written (on rank 0; the other ranks get
     the plan's sizes and no files)."""
     from safetensors.torch import save_file
-    from torch.distributed.tensor import DTensor
 
     started = time.monotonic()
     tensors = exported_tensors(model)
@@ -150,14 +209,7 @@ def write_weights(
         tmp.mkdir(parents=True)
     weight_map: dict[str, str] = {}
     for file, bucket in zip(names, plan, strict=True):
-        held: dict[str, torch.Tensor] = {}
-        for index in bucket:
-            key, tensor = tensors[index]
-            # Collective when sharded: every rank gathers the same tensors in the same order.
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            if world.main:
-                held[key] = _exported(full)  # fp32 -> bf16 at once
-            del full
+        held = gather_bucket([tensors[index] for index in bucket], world)
         if world.main:
             save_file(held, str(tmp / file), metadata={"format": "pt"})
             written.files.append(file)
