@@ -25,9 +25,9 @@ from kubestar.training.distributed import (
     compute_dtype,
     device_for,
     init_world,
-    shard_model,
 )
 from kubestar.training.grpo import GrpoConfig, grpo_loss
+from kubestar.training.loading import load_model
 from kubestar.training.weights import DEFAULT_BUCKET_BYTES, WeightsWritten, write_weights
 
 
@@ -54,28 +54,22 @@ class Policy:
         precision: str = "auto",
     ) -> None:
         """`precision`: trainer.precision (auto, bf16 or fp32; `compute_dtype`)."""
-        from transformers import AutoModelForCausalLM
-
         torch.manual_seed(seed)
         self.source = Path(model_path)
         self.world = world
         self.device = device_for(world, device)
         init_world(world, self.device)
         self.compute_dtype = compute_dtype(precision, self.device)
-        # Master weights in fp32 (bf16 AdamW updates of 1e-6 would round to nothing).
-        model: Any = AutoModelForCausalLM.from_pretrained(self.source, dtype=torch.float32)
-        model.config.use_cache = False
         sharding = sharding or ShardingConfig()
-        if sharding.activation_checkpointing:
-            # Non-reentrant: the recomputation runs FSDP's hooks again (all-gathers the layer).
-            recompute = {"use_reentrant": False}
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=recompute)
-        if world.sharded:
-            # Moves the shards to the device; FSDP2 gathers them in the compute dtype.
-            shard_model(model, world, self.device, self.compute_dtype)
-            self.model = model
-        else:
-            self.model = model.to(self.device)
+        # Master weights in fp32 (bf16 AdamW updates of 1e-6 would round to nothing); sharded,
+        # each rank reads only its own rows.
+        self.model: Any = load_model(
+            self.source,
+            world,
+            self.device,
+            self.compute_dtype,
+            activation_checkpointing=sharding.activation_checkpointing,
+        )
         self.optimizer_config = optimizer
         self.micro_batch_size = micro_batch_size
         self.optimizer = self._new_optimizer(optimizer.learning_rate)
