@@ -327,6 +327,51 @@ def precision_scenario(model_dir: Path, out: Path, precision: str) -> None:
     close_world()
 
 
+def load_scenario(model_dir: Path, out: Path) -> None:
+    """A sharded Policy loaded while every safetensors read is recorded: how many elements
+    each tensor read held, against the tensor's whole size (load-rank-N.json)."""
+    import safetensors
+
+    opened = safetensors.safe_open
+    reads: list[tuple[str, int, int]] = []  # (tensor, elements read, elements whole)
+
+    class Recorded:
+        def __init__(self, handle: object) -> None:
+            self.handle = handle
+
+        def __enter__(self) -> Recorded:
+            self.handle.__enter__()  # type: ignore[attr-defined]
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.handle.__exit__(*exc)  # type: ignore[attr-defined]
+
+        def keys(self) -> list[str]:
+            return list(self.handle.keys())  # type: ignore[attr-defined]
+
+        def get_slice(self, key: str) -> object:
+            stored = self.handle.get_slice(key)  # type: ignore[attr-defined]
+            whole = 1
+            for size in stored.get_shape():
+                whole *= size
+
+            class Slice:
+                def __getitem__(self, index: object) -> torch.Tensor:
+                    tensor: torch.Tensor = stored[index]
+                    reads.append((key, tensor.numel(), whole))
+                    return tensor
+
+            return Slice()
+
+    safetensors.safe_open = lambda *args, **kwargs: Recorded(opened(*args, **kwargs))
+    world = World.from_env()
+    policy = Policy(model_dir, OptimizerConfig(), device="cpu", world=world)
+    safetensors.safe_open = opened
+    report = {"reads": reads, "local_numel": local_numel(policy)}
+    (out / f"load-rank-{world.rank}.json").write_text(json.dumps(report))
+    close_world()
+
+
 # Tensors whose rows do not divide evenly: at world size 2, rank 1 holds 2 of "odd"'s rows and
 # none of "one_row"'s; "ints" is replicated (taken whole, its dtype kept).
 GATHERED = {
@@ -388,6 +433,8 @@ if __name__ == "__main__":
     if "--precision" in sys.argv:
         precision = sys.argv[sys.argv.index("--precision") + 1]
         precision_scenario(Path(sys.argv[1]), Path(sys.argv[2]), precision)
+    elif "--load" in sys.argv:
+        load_scenario(Path(sys.argv[1]), Path(sys.argv[2]))
     elif "--gather" in sys.argv:
         gather_scenario(Path(sys.argv[2]))
     elif "--checkpoint" in sys.argv:

@@ -98,3 +98,20 @@ def test_two_ranks_update_like_one(model_dir: Path, tmp_path: Path, checkpointin
     assert load_file(tmp_path / "weights" / "model.safetensors").keys() == (
         load_file(tmp_path / "single-weights" / "model.safetensors").keys()
     )
+
+
+@pytest.mark.slow
+def test_each_rank_reads_only_its_own_rows(model_dir: Path, tmp_path: Path) -> None:
+    """Sharded, no rank reads a whole tensor (only its rows of each, one tensor at a time),
+    and together the ranks read the model once."""
+    run_ranks(WORLD_SIZE, str(model_dir), str(tmp_path), "--load")
+    reports = [json.loads((tmp_path / f"load-rank-{r}.json").read_text()) for r in range(2)]
+    wholes = {key: whole for report in reports for key, _, whole in report["reads"]}
+    together = dict.fromkeys(wholes, 0)
+    for report in reports:
+        assert sorted(key for key, _, _ in report["reads"]) == sorted(wholes)  # one read each
+        for key, read, whole in report["reads"]:
+            assert read < whole, key
+            together[key] += read
+        assert sum(read for _, read, _ in report["reads"]) == report["local_numel"]
+    assert together == wholes
