@@ -363,10 +363,10 @@ def load_scenario(model_dir: Path, out: Path) -> None:
 
             return Slice()
 
-    safetensors.safe_open = lambda *args, **kwargs: Recorded(opened(*args, **kwargs))
+    safetensors.safe_open = lambda *args, **kwargs: Recorded(opened(*args, **kwargs))  # type: ignore[misc,assignment]
     world = World.from_env()
     policy = Policy(model_dir, OptimizerConfig(), device="cpu", world=world)
-    safetensors.safe_open = opened
+    safetensors.safe_open = opened  # type: ignore[misc]
     report = {"reads": reads, "local_numel": local_numel(policy)}
     (out / f"load-rank-{world.rank}.json").write_text(json.dumps(report))
     close_world()

@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,7 +136,9 @@ def _row_sharded(tensor: torch.Tensor) -> bool:
     )
 
 
-def gather_bucket(entries: list[tuple[str, torch.Tensor]], world: World) -> dict[str, torch.Tensor]:
+def gather_bucket(
+    entries: Sequence[tuple[str, torch.Tensor]], world: World
+) -> dict[str, torch.Tensor]:
     """The tensors of one bucket whole, bf16 on the CPU, on rank 0 ({} on the other ranks).
     Collective when sharded: every rank calls it with the same tensors in the same order.
 
