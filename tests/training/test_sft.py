@@ -197,11 +197,22 @@ def test_too_small_a_token_budget_is_reported(
         build_sft_examples(4, sandbox.endpoint, tokenizer, max_tokens=64)
 
 
-def test_an_unreachable_sandbox_fails_the_build(tokenizer: ChatTokenizer) -> None:
-    from kubestar.common.net import free_port
+def test_a_sandbox_that_does_not_answer_fails_the_build(tokenizer: ChatTokenizer) -> None:
+    """A gRPC server that is no sandbox refuses every call at once (an address where nothing
+    listens is asked again for about 25 s first: sandbox.client.RETRY_DELAYS); the build fails
+    with the refusal instead of making examples whose tool turns say the sandbox failed."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    with pytest.raises(RuntimeError, match="did not answer"):
-        build_sft_examples(2, f"127.0.0.1:{free_port()}", tokenizer)
+    import grpc
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with pytest.raises(RuntimeError, match=r"did not answer.*UNIMPLEMENTED"):
+            build_sft_examples(2, f"127.0.0.1:{port}", tokenizer)
+    finally:
+        server.stop(grace=None)
 
 
 # -- training -----------------------------------------------------------------------------------

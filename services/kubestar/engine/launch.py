@@ -146,6 +146,10 @@ class EngineSettings:
             args += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
         if self.device == "cpu":
             args.append("--enforce-eager")
+            if self.tensor_parallel_size == 1:
+                # The model runs in the engine-core process instead of a third one that
+                # imports vLLM again (about 9 s of each start); see `environment`.
+                args += ["--distributed-executor-backend", "uni"]
         else:
             args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         if self.auth_token_file:
@@ -164,6 +168,12 @@ class EngineSettings:
             # with the app alone).
             env[AUTH_TOKEN_FILE_ENV] = self.auth_token_file
         if self.device == "cpu":
+            if self.tensor_parallel_size == 1:
+                # vLLM-CPU keeps the multiprocessing executor (whose worker binds OpenMP
+                # threads) unless this is 0; threads are not bound here ("nobind" or our own
+                # affinity, below), and the API server runs its engine core in a process of
+                # its own either way.
+                env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             if not self.kv_cache_bytes:  # vLLM-CPU lets this override --kv-cache-memory-bytes
                 env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             if self.cpus:
