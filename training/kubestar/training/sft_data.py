@@ -530,7 +530,8 @@ class SandboxTools:
         try:
             return await asyncio.to_thread(self.client.execute, call)
         except grpc.RpcError as exc:
-            self.error = f"the sandbox at {self.endpoint} did not answer: {exc}"
+            code, details = exc.code(), exc.details()  # type: ignore[attr-defined]
+            self.error = f"the sandbox at {self.endpoint} did not answer: {code.name}: {details}"
             raise
 
     async def close(self) -> None:
