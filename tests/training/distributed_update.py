@@ -87,7 +87,7 @@ def trajectories(seed: int = 7) -> list[Trajectory]:
 
 
 def new_policy(
-    model_dir: Path, world: World, activation_checkpointing: bool = False
+    model_dir: Path, world: World, activation_checkpointing: bool = False, precision: str = "auto"
 ) -> tuple[Policy, GrpoTrainer]:
     policy = Policy(
         model_dir,
@@ -96,6 +96,7 @@ def new_policy(
         micro_batch_size=MICRO_BATCH_SIZE,
         world=world,
         sharding=ShardingConfig(activation_checkpointing=activation_checkpointing),
+        precision=precision,
     )
     return policy, GrpoTrainer(policy, ALGORITHM, pad_id=0, seed=0)
 
@@ -300,29 +301,29 @@ def computed_dtypes(model: torch.nn.Module) -> set[str]:
     return seen
 
 
-def precision_scenario(model_dir: Path, out: Path, precision: str) -> None:
-    """One SFT step at trainer.precision `precision`; each rank records the dtypes its
-    forward and backward passes computed in, those of its master weights and optimizer state,
-    and whether the update moved the weights (precision-rank-N.json)."""
-    world = World.from_env()
-    policy = Policy(
-        model_dir,
-        OptimizerConfig(learning_rate=LEARNING_RATE),
-        device="cpu",
-        world=world,
-        precision=precision,
-    )
+def precision_step(policy: Policy) -> dict[str, object]:
+    """One SFT step; the dtypes the forward and backward passes computed in, those of the
+    master weights and the optimizer state, and whether the update moved the weights
+    (collective when sharded)."""
     computed = computed_dtypes(policy.model)
     before = full_parameters(policy)
-    policy.sft_step(sft_batch().rows(shard(SFT_ROWS, world)))
+    policy.sft_step(sft_batch().rows(shard(SFT_ROWS, policy.world)))
     after = full_parameters(policy)
     moments = [t for state in policy.optimizer.state.values() for t in state.values()]
-    report = {
+    return {
         "computed": sorted(computed),
         "master": sorted({str(p.dtype) for p in policy.model.parameters()}),
         "optimizer": sorted({str(t.dtype) for t in moments if t.dim() > 0}),
         "moved": any(not torch.equal(before[name], after[name]) for name in before),
     }
+
+
+def precision_scenario(model_dir: Path, out: Path, precision: str) -> None:
+    """`precision_step` at trainer.precision `precision` on each rank
+    (precision-rank-N.json)."""
+    world = World.from_env()
+    policy, _ = new_policy(model_dir, world, precision=precision)
+    report = precision_step(policy)
     (out / f"precision-rank-{world.rank}.json").write_text(json.dumps(report))
     close_world()
 

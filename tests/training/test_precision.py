@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from kubestar.api.v1alpha1 import TrainerSpec
-from kubestar.training.distributed import compute_dtype
-from kubestar.training.policy import OptimizerConfig, Policy
+from kubestar.training.distributed import World, compute_dtype
 from pydantic import ValidationError
 
 from tests.real_parts import require_modules, tiny_model
-from tests.training.distributed_update import computed_dtypes, run_ranks, sft_batch
+from tests.training.distributed_update import new_policy, precision_step, run_ranks
 
 BF16, FP32 = "torch.bfloat16", "torch.float32"
 
@@ -27,31 +26,14 @@ def model_dir() -> Path:
     return tiny_model(64)
 
 
-def one_step(model_dir: Path, precision: str) -> dict[str, object]:
-    policy = Policy(
-        model_dir, OptimizerConfig(learning_rate=1e-3), device="cpu", precision=precision
-    )
-    computed = computed_dtypes(policy.model)
-    before = [p.detach().clone() for p in policy.model.parameters()]
-    policy.sft_step(sft_batch())
-    moments = [t for state in policy.optimizer.state.values() for t in state.values()]
-    return {
-        "computed": sorted(computed),
-        "master": sorted({str(p.dtype) for p in policy.model.parameters()}),
-        "optimizer": sorted({str(t.dtype) for t in moments if t.dim() > 0}),
-        "moved": any(
-            not torch.equal(a, b) for a, b in zip(before, policy.model.parameters(), strict=True)
-        ),
-    }
-
-
 @pytest.mark.parametrize(
     ("precision", "computed"), [("bf16", BF16), ("fp32", FP32), ("auto", FP32)]
 )
 def test_one_process_computes_in_the_precision_asked(
     model_dir: Path, precision: str, computed: str
 ) -> None:
-    report = one_step(model_dir, precision)
+    policy, _ = new_policy(model_dir, World(), precision=precision)
+    report = precision_step(policy)
     assert report == {"computed": [computed], "master": [FP32], "optimizer": [FP32], "moved": True}
 
 
