@@ -192,6 +192,23 @@ class EngineSettings:
             os.sched_setaffinity(0, parse_cpu_list(self.cpus))
 
 
+RPC_DIR_PREFIX = "kubestar-engine-rpc-"
+
+
+def remove_orphaned_rpc_dirs(folder: Path) -> list[Path]:
+    """Remove the engines' IPC folders (RPC_DIR_PREFIX + the starting process's PID) whose
+    process is gone: one killed with SIGKILL could not remove its own. Returns them."""
+    removed = []
+    for path in folder.glob(f"{RPC_DIR_PREFIX}*-*"):
+        pid = path.name.removeprefix(RPC_DIR_PREFIX).split("-", 1)[0]
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            removed.append(path)
+    return removed
+
+
 class EngineProcess:
     """A running vLLM server started by us; stopped by its PID (process group)."""
 
@@ -216,7 +233,8 @@ class EngineProcess:
         self._log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
         env = self.settings.environment()
         if "VLLM_RPC_BASE_PATH" not in env:
-            self._rpc_dir = tempfile.mkdtemp(prefix="kubestar-engine-rpc-")
+            remove_orphaned_rpc_dirs(Path(tempfile.gettempdir()))
+            self._rpc_dir = tempfile.mkdtemp(prefix=f"{RPC_DIR_PREFIX}{os.getpid()}-")
             env["VLLM_RPC_BASE_PATH"] = self._rpc_dir
         self.process = subprocess.Popen(
             self.settings.command(),
