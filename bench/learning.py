@@ -105,6 +105,7 @@ def manifests(args: argparse.Namespace) -> tuple[SandboxPool, RolloutFleet, dict
         "dataset": {"mix": mix, "size": args.drift_size, "seed": HELDOUT_SEED},
         "at": ["sft", "end"],
         "everySteps": max(1, steps // 4),
+        "temperature": 0,  # greedy: the drift check's one trajectory per problem
     }
     return pool, fleet, run
 

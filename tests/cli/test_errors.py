@@ -158,3 +158,15 @@ def test_an_invalid_manifest(tmp_path: Path, text: str, names: list[str]) -> Non
     manifest = tmp_path / "run.yaml"
     manifest.write_text(text)
     one_line_error(kubestar("train", "-f", str(manifest)), str(manifest), *names)
+
+
+def test_a_local_run_cannot_mount_a_models_claim(tmp_path: Path) -> None:
+    manifest = tmp_path / "run.yaml"
+    manifest.write_text(
+        "apiVersion: kubestar.dev/v1alpha1\nkind: TrainingRun\nmetadata: {name: run}\nspec:\n"
+        "  rolloutFleetRef: {name: f}\n  sandboxPoolRef: {name: pool}\n"
+        "  model: {pvcClaimName: models, pvcSubPath: Qwen3-14B}\n"
+        "  stages: [{name: s, steps: 1, maxResponseTokens: 64, dataset: {generator: gcd}}]\n"
+    )
+    done = kubestar("train", "-f", str(manifest), "--run-dir", str(tmp_path / "run"))
+    one_line_error(done, "spec.model.pvcClaimName", "'models'", "spec.model.path")

@@ -101,13 +101,13 @@ def test_defaults_fill_every_field(cluster: LocalCluster, namespace: str) -> Non
     assert created["spec"]["algorithm"] == {
         "name": "grpo-roc",
         "groupSize": 16,
-        "oversampleFactor": 2,
+        # Unset: tisCap (off); oversampleFactor and positiveSelection (grpo-roc's own, so
+        # that setting them under grpo can be refused).
         "clipLow": 0.2,
         "clipHigh": 0.28,
         "learningRate": 1e-06,
-        "updatesPerStep": 1,  # tisCap has no default: unset is off
+        "updatesPerStep": 1,
         "maxTurns": 10,
-        "positiveSelection": "inverse-penalty",
         "temperature": 1,
         "topP": 1,
     }

@@ -10,6 +10,7 @@ import yaml
 from kubestar.api import trainer_contract
 from kubestar.api.v1alpha1 import (
     CheckpointSpec,
+    ModelSource,
     RolloutFleetSpec,
     SandboxPoolSpec,
     TrainingRunSpec,
@@ -312,6 +313,25 @@ def test_model_from_a_pvc() -> None:
         "name": "model",
         "persistentVolumeClaim": {"claimName": "models", "readOnly": True},
     } in (volumes)
+
+
+def test_trainer_pods_read_the_model_from_its_claim() -> None:
+    body, spec, fleet, pool = tiny_run()
+    job = build_trainer.job(body, spec, fleet, pool, OperatorSettings())
+    assert "model" not in {v["name"] for v in job["spec"]["template"]["spec"]["volumes"]}
+    claimed = spec.model_copy(
+        update={"model": ModelSource(name="Qwen3-14B", pvc_claim_name="models", pvc_sub_path="q")}
+    )
+    pod = build_trainer.job(body, claimed, fleet, pool, OperatorSettings())["spec"]["template"]
+    (trainer,) = pod["spec"]["containers"]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in trainer["volumeMounts"]
+    assert {
+        "name": "model",
+        "persistentVolumeClaim": {"claimName": "models", "readOnly": True},
+    } in pod["spec"]["volumes"]
+    # Where the trainer (`kubestar train --in-cluster`) and the engines load it from.
+    assert claimed.model.location() == "/models/q"
+    assert ModelSource(path="/opt/m", name="x").location() == "/opt/m"
 
 
 def test_an_operator_upgrade_leaves_gpu_engines_alone() -> None:

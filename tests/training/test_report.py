@@ -70,6 +70,16 @@ def session_like_entries() -> list[dict[str, Any]]:
         0,
         {"step": 0, "stage": "evaluation", "point": "start", "eval_accuracy": 0.0},
     )
+    # The second stage's filter, logged before its first step.
+    filtered = {
+        "step": 5,
+        "stage": "filter",
+        "filtered_stage": "harder",
+        "k": 4,
+        "evaluated": 16,
+        "kept": 9,
+    }
+    entries.insert(next(i for i, e in enumerate(entries) if e["stage"] == "harder"), filtered)
     entries.insert(
         2,
         {"step": 0, "stage": "evaluation", "point": "sft", "eval_accuracy": 0.5, "rollouts": 30.0},
@@ -80,6 +90,9 @@ def session_like_entries() -> list[dict[str, Any]]:
             "stage": "evaluation",
             "point": "end",
             "eval_accuracy": 0.5667,
+            "eval_pass_at_k": 0.8,
+            "eval_samples": 4,
+            "eval_temperature": 1.0,
             "answered_rate": 0.9,
             "tool_calls_per_trajectory": 1.1,
             "tool_error_rate": 0.125,
@@ -127,8 +140,15 @@ def test_report_has_the_table_summaries_and_plots(tmp_path: Path) -> None:
         "| after SFT",
         "| after RL",
     ]
-    assert rows[1].startswith("| initial policy | 0 | 0.000 | - |")
-    assert rows[3].startswith("| after RL | 8 | 0.567 | 0.900 | 0.100 | 1.10 | 0.125 | 180.5 |")
+    assert rows[1].startswith("| initial policy | 0 | 0.000 | - | - | - |")
+    assert rows[3].startswith(
+        "| after RL | 8 | 0.567 | 0.800 | 4 | 0.900 | 0.100 | 1.10 | 0.125 | 180.5 |"
+    )
+    # Entries logged without samples or temperature were greedy.
+    assert "by greedy decoding; by 4 sampled trajectories each at temperature 1." in evaluation
+
+    # The stage filter is a table of its own, not a step.
+    assert "| harder | 4 | 16 | 9 |" in text.split("## Stage filters")[1]
 
     # Plots: every one written, linked from the report, a real PNG of a sensible size.
     for name, title, _, _ in PLOTS:

@@ -154,6 +154,9 @@ class Reason(StrEnum):
     # termination message, which the operator passes on in TrainerReady.
     CHECKPOINT_VOLUME_FULL = "CheckpointVolumeFull"
 
+    # A stage's filter (dropSolvedKOfK) left fewer problems than one step takes.
+    TOO_FEW_PROBLEMS = "TooFewProblems"
+
     # TrainingRun, Stalled.
     NO_PROGRESS = "NoProgress"
     MAKING_PROGRESS = "MakingProgress"

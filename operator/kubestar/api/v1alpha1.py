@@ -23,6 +23,11 @@ GROUP = "kubestar.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 
+# Where a model's claim (model.pvcClaimName) is mounted, read-only, in the pods that read it.
+MODEL_MOUNT = "/models"
+# Trajectories rolled out per kept one under grpo-roc, unless algorithm.oversampleFactor says.
+ROC_OVERSAMPLE_FACTOR = 2.0
+
 
 class Spec(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
@@ -190,13 +195,21 @@ class ModelSource(Spec):
     )
     pvc_claim_name: str | None = Field(
         None,
-        description="A PersistentVolumeClaim holding the model, mounted read-only; takes "
-        "precedence over path and name.",
+        description=f"A PersistentVolumeClaim holding the model, mounted read-only at "
+        f"{MODEL_MOUNT} in the pods that read it (engines, the scheduler's OpenAI front, the "
+        "trainer); takes precedence over path and name. A local run (`kubestar train -f`) "
+        "cannot mount it and uses path instead.",
     )
     pvc_sub_path: str = Field(
         "",
         description="The model's folder inside the PersistentVolumeClaim. Empty: its root.",
     )
+
+    def location(self) -> str:
+        """The model as a pod finds it: the claim's folder, else path, else the name."""
+        if self.pvc_claim_name:
+            return f"{MODEL_MOUNT}/{self.pvc_sub_path}".rstrip("/")
+        return self.path or self.name
 
 
 class EngineSpec(Spec):
@@ -359,12 +372,13 @@ class AlgorithmSpec(Spec):
         description="Trajectories per problem that enter the update (G); advantages are "
         "rewards normalised within the group.",
     )
-    oversample_factor: float = Field(
-        2.0,
+    oversample_factor: float | None = Field(
+        None,
         ge=1.0,
         le=16.0,
-        description="grpo-roc only: roll out groupSize x oversampleFactor trajectories per "
-        "problem, then resample down to groupSize.",
+        description="grpo-roc only (refused under grpo): roll out groupSize x "
+        "oversampleFactor trajectories per problem, then resample down to groupSize. Unset: "
+        f"{ROC_OVERSAMPLE_FACTOR:g}, the paper's.",
     )
     clip_low: float = Field(
         0.2,
@@ -412,17 +426,18 @@ class AlgorithmSpec(Spec):
         description="The most assistant turns in one trajectory; each turn may make a tool "
         "call whose output the next turn reads.",
     )
-    positive_selection: Literal["inverse-penalty", "lowest-penalty"] = Field(
-        "inverse-penalty",
-        description="grpo-roc only: how correct trajectories are kept. inverse-penalty samples "
-        "them with weights that fall as tool errors and format issues rise; lowest-penalty "
-        "keeps those with the fewest.",
+    positive_selection: Literal["inverse-penalty", "lowest-penalty"] | None = Field(
+        None,
+        description="grpo-roc only (refused under grpo): how correct trajectories are kept. "
+        "inverse-penalty (the default) samples them with weights that fall as tool errors "
+        "and format issues rise; lowest-penalty keeps those with the fewest.",
     )
     temperature: float = Field(
         1.0,
         ge=0,
         le=5,
-        description="Sampling temperature of training rollouts (evaluation is greedy).",
+        description="Sampling temperature of training rollouts (evaluation has its own, "
+        "evaluation.temperature).",
     )
     top_p: float = Field(
         1.0,
@@ -431,6 +446,27 @@ class AlgorithmSpec(Spec):
         description="Nucleus sampling of training rollouts: sample from the smallest set of "
         "tokens whose probability reaches topP. 1: no truncation.",
     )
+
+    @model_validator(mode="after")
+    def _roc_fields_need_roc(self) -> AlgorithmSpec:
+        if self.name == "grpo":
+            for key, value in (
+                ("oversampleFactor", self.oversample_factor),
+                ("positiveSelection", self.positive_selection),
+            ):
+                if value is not None:
+                    raise ValueError(
+                        f"{key}: only grpo-roc oversamples and resamples; remove it or set "
+                        "name: grpo-roc"
+                    )
+        return self
+
+    @property
+    def rollouts_oversample_factor(self) -> float:
+        """Trajectories rolled out per kept one: oversampleFactor under grpo-roc, else 1."""
+        if self.name != "grpo-roc":
+            return 1.0
+        return ROC_OVERSAMPLE_FACTOR if self.oversample_factor is None else self.oversample_factor
 
 
 class DatasetMixEntry(Spec):
@@ -490,7 +526,10 @@ class DatasetSpec(Spec):
     )
     seed: int = Field(
         0,
-        description="Seed of the generator: the same seed makes the same problems.",
+        description="Seed of the problems and of their order. A generator or mix makes the "
+        "same problems from the same seed; a stage draws its problems (generated or from a "
+        "file) in an order shuffled with this seed and the stage's name, a new shuffle each "
+        "pass. Evaluation takes every problem, so the order does not matter there.",
     )
 
     @model_validator(mode="after")
@@ -500,12 +539,36 @@ class DatasetSpec(Spec):
         return self
 
 
+class SftDatasetSpec(Spec):
+    """The user's own SFT conversations: JSON lines, each {"messages": [...]} as TRL's
+    SFTTrainer and verl's multi-turn SFT read them (roles system, user, assistant, tool; an
+    assistant message may carry OpenAI-style tool_calls of the python tool). They are
+    rendered in kubestar's tool-call format; the loss is on the assistant's turns only."""
+
+    path: str = Field(
+        min_length=1,
+        description="A JSONL file of conversations in the trainer's container (e.g. on "
+        "trainer.dataPvcClaimName, mounted at trainer.dataMountPath).",
+    )
+
+
 class SftSpec(Spec):
-    """Non-reasoning SFT before RL: teaches instruction following and the tool-call format
-    on small examples made with the real sandbox, not reasoning."""
+    """Non-reasoning SFT before RL: teaches instruction following and the tool-call format,
+    not reasoning. It trains on small examples made with the real sandbox, or on the
+    conversations of dataset when it is set."""
 
     enabled: bool = Field(True, description="Whether the SFT stage runs.")
-    examples: int = Field(256, ge=1, description="Number of examples made and trained on.")
+    dataset: SftDatasetSpec | None = Field(
+        None,
+        description="A file of the user's own conversations to train on instead of the "
+        "examples kubestar makes. Unset: examples are made with the real sandbox.",
+    )
+    examples: int | None = Field(
+        None,
+        ge=1,
+        description="Number of examples trained on. Unset: 256 made examples, or every "
+        "conversation of dataset; with dataset, its first this many that fit maxTokens.",
+    )
     epochs: int = Field(1, ge=1, le=100, description="Passes over the examples.")
     learning_rate: float = Field(
         1e-5,
@@ -517,8 +580,9 @@ class SftSpec(Spec):
     max_tokens: int = Field(
         1024,
         ge=64,
-        description="The longest example in tokens, prompt included; longer ones are dropped "
-        "(under about 400 with SmolLM2's tokenizer, none is left).",
+        description="The longest example in tokens, prompt included; longer ones (made or in "
+        "dataset) are dropped (under about 400 with SmolLM2's tokenizer, no made example is "
+        "left).",
     )
 
 
@@ -531,7 +595,10 @@ class StageFilterSpec(Spec):
         ge=1,
         le=256,
         description="Sample each problem k times with the current policy and drop those it "
-        "solved every time. Unset: keep every problem.",
+        "solved every time, evaluating problems in the stage's order until steps x "
+        "problemsPerStep are kept or none is left. status.stageFilters says how many were "
+        "evaluated and kept; a stage left with fewer than problemsPerStep fails the run "
+        "(reason TooFewProblems). Unset: keep every problem.",
     )
 
 
@@ -719,11 +786,11 @@ SEARCH_BUDGET_DEFAULTS: dict[str, int] = {
 
 
 class SearchEvaluationSpec(Spec):
-    """Test-time search on the held-out problems at every evaluation point, beside the greedy
+    """Test-time search on the held-out problems at every evaluation point, beside the sampled
     evaluation: rStar-Math's MCTS or beam search guided by a process preference model
     (PPM), or a vote or best-of-N over sampled solutions, on the run's RolloutFleet and
     SandboxPool (what `kubestar solve` runs). A search's solution may use as many tokens
-    after the prompt as the greedy evaluation's (the largest stage maxResponseTokens)."""
+    after the prompt as the sampled evaluation's (the largest stage maxResponseTokens)."""
 
     mode: SearchMode = Field(
         description="mcts: rStar-Math's Monte Carlo tree search, valued by the PPM. beam: "
@@ -819,13 +886,28 @@ class SearchEvaluationSpec(Spec):
 
 
 class EvaluationSpec(Spec):
-    """Evaluation of the policy on held-out problems, with greedy decoding, and optionally
-    with test-time search (search)."""
+    """Evaluation of the policy on held-out problems: samples trajectories per problem at
+    temperature (avg@k and pass@k, as the paper reports), and optionally test-time search
+    (search)."""
 
     dataset: DatasetSpec | None = Field(
         None, description="The held-out problems. Unset: no evaluation."
     )
-    samples: int = Field(1, ge=1, description="Trajectories per problem.")
+    samples: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Trajectories per problem (k): accuracy is their mean (avg@k), passAtK the "
+        "share of problems with at least one right answer (pass@k). More than 1 needs a "
+        "temperature above 0.",
+    )
+    temperature: float = Field(
+        1.0,
+        ge=0,
+        le=5,
+        description="Sampling temperature of the evaluation's trajectories (top-p 1): 1.0 is "
+        "the paper's avg@k setting. 0: greedy decoding, with samples 1.",
+    )
     at: list[EvaluationPoint] = Field(
         default_factory=lambda: list[EvaluationPoint](["end"]),
         description="When to evaluate: start (the policy before any training, as verl's "
@@ -842,9 +924,18 @@ class EvaluationSpec(Spec):
         description="Also solve the held-out problems by test-time search at each evaluation "
         "point (MCTS or beam search with a PPM, a majority vote, best-of-N), through the "
         "run's scheduler and sandbox; accuracy, generated tokens per problem and seconds go "
-        "beside the greedy figures in status.evaluations, metrics.jsonl and the report. "
-        "Unset: greedy only.",
+        "beside the sampled figures in status.evaluations, metrics.jsonl and the report. "
+        "Unset: no search.",
     )
+
+    @model_validator(mode="after")
+    def _greedy_is_one_sample(self) -> EvaluationSpec:
+        if self.temperature == 0 and self.samples > 1:
+            raise ValueError(
+                f"samples: {self.samples} greedy trajectories (temperature 0) are all the same; "
+                "set samples to 1 or temperature above 0"
+            )
+        return self
 
     @model_validator(mode="after")
     def _search_needs_problems(self) -> EvaluationSpec:
@@ -1029,13 +1120,13 @@ class SearchEvaluationResult(Spec):
     generated_tokens_per_problem: float = Field(
         0.0,
         description="Tokens the policy generated per problem, every sampled step counted "
-        "(duplicates dropped included): the budget to compare the greedy figure against.",
+        "(duplicates dropped included): the budget to compare the sampled figure against.",
     )
     seconds: float = Field(0.0, description="Wall-clock seconds of the search, all problems.")
 
 
 class EvaluationResult(Spec):
-    """One held-out evaluation (spec.evaluation): when it ran, the greedy figures, and the
+    """One held-out evaluation (spec.evaluation): when it ran, the sampled figures, and the
     search's when spec.evaluation.search is set."""
 
     point: Literal["start", "sft", "step", "end"] = Field(
@@ -1044,18 +1135,35 @@ class EvaluationResult(Spec):
     )
     step: int = Field(description="RL steps done when it ran.")
     problems: int = Field(0, description="Held-out problems evaluated.")
+    samples: int = Field(1, description="Trajectories per problem (k, spec.evaluation.samples).")
+    temperature: float = Field(
+        0.0, description="Their sampling temperature (spec.evaluation.temperature)."
+    )
     accuracy: float = Field(
-        description="Greedy decoding: fraction of the trajectories whose answer is right."
+        description="avg@k: fraction of the trajectories whose answer is right (over k "
+        "samples per problem)."
+    )
+    pass_at_k: float = Field(
+        0.0, description="pass@k: fraction of the problems with at least one right answer."
     )
     generated_tokens_per_problem: float = Field(
         0.0,
-        description="Greedy decoding: tokens the policy generated per problem (tool output "
-        "not counted), over spec.evaluation.samples trajectories.",
+        description="Tokens the policy generated per problem (tool output not counted), over "
+        "its k trajectories.",
     )
-    seconds: float = Field(0.0, description="Wall-clock seconds of the greedy evaluation.")
+    seconds: float = Field(0.0, description="Wall-clock seconds of the sampled evaluation.")
     search: SearchEvaluationResult | None = Field(
         None, description="The test-time search's figures; unset without evaluation.search."
     )
+
+
+class StageFilterResult(Spec):
+    """What a stage's filter (spec.stages[].filter) kept."""
+
+    stage: str = Field(description="The stage (spec.stages[].name).")
+    k: int = Field(description="Samples per problem (filter.dropSolvedKOfK).")
+    evaluated: int = Field(description="Problems the policy was sampled on.")
+    kept: int = Field(description="Problems it did not solve k of k: the stage trains on these.")
 
 
 class ProgressMetric(Spec):
@@ -1175,9 +1283,14 @@ class TrainingRunStatus(Spec):
         "trajectories were spoiled by engine, scheduler or sandbox failures (or when the run "
         "failed for that); cleared once the step trains.",
     )
+    stage_filters: list[StageFilterResult] = Field(
+        default_factory=list,
+        description="Per stage with a filter (spec.stages[].filter), once it ran: problems "
+        "evaluated and kept.",
+    )
     evaluations: list[EvaluationResult] = Field(
         default_factory=list,
-        description="The held-out evaluations so far, in the order they ran: greedy accuracy "
+        description="The held-out evaluations so far, in the order they ran: avg@k and pass@k "
         "and, with spec.evaluation.search, the search's accuracy, tokens and time beside it. "
         "At most 100: the first and the newest 99 (metrics.jsonl keeps them all).",
     )

@@ -27,7 +27,6 @@ from kubestar.operator.settings import OperatorSettings
 ENGINE = "engine"
 SCHEDULER = "scheduler"
 GPU_RESOURCE = {"amd": "amd.com/gpu", "nvidia": "nvidia.com/gpu"}
-MODEL_MOUNT = "/models"
 # GPU engines load the auth middleware from a ConfigMap: the module's name there, its folder.
 ENGINE_AUTH_MODULE = "kubestar_engine_auth"
 ENGINE_AUTH_DIR = "/etc/kubestar/engine-auth"
@@ -63,17 +62,6 @@ def scheduler_endpoint(
     return f"{scheduler_name(fleet)}.{namespace}.svc.{domain}:{spec.scheduler.port}"
 
 
-def _mount_model(container: o.Obj, volumes: list[o.Obj], spec: RolloutFleetSpec) -> None:
-    """The model's claim, read-only at MODEL_MOUNT (where model_argument points)."""
-    container["volumeMounts"].append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
-    volumes.append(
-        {
-            "name": "model",
-            "persistentVolumeClaim": {"claimName": spec.model.pvc_claim_name, "readOnly": True},
-        }
-    )
-
-
 def openai_endpoint(
     fleet: str, namespace: str, spec: RolloutFleetSpec, settings: OperatorSettings
 ) -> str:
@@ -85,14 +73,6 @@ def openai_endpoint(
         return f"http://127.0.0.1:{port}/v1"
     domain = settings.network.cluster_domain
     return f"http://{scheduler_name(fleet)}.{namespace}.svc.{domain}:{port}/v1"
-
-
-def model_argument(spec: RolloutFleetSpec) -> str:
-    """What the engine's --model gets: a PVC mount, a path, or an embedded/hub name."""
-    model = spec.model
-    if model.pvc_claim_name:
-        return f"{MODEL_MOUNT}/{model.pvc_sub_path}".rstrip("/")
-    return model.path or model.name
 
 
 def engine_image(spec: RolloutFleetSpec, settings: OperatorSettings) -> str:
@@ -119,7 +99,7 @@ def engine_command(
             "engine",
             "serve",
             "--model",
-            model_argument(spec),
+            spec.model.location(),
             "--host",
             bind_address,
             "--port",
@@ -137,7 +117,7 @@ def engine_command(
             command += ["--auth-token-file", auth_token_file]
         return command + (["--", *engine.extra_args] if engine.extra_args else [])
     settings = EngineSettings(
-        model=model_argument(spec),
+        model=spec.model.location(),
         host=bind_address,
         port=engine.port,
         max_model_len=engine.max_model_len,
@@ -251,7 +231,7 @@ def engine_deployment(
         {"name": "tmp", "emptyDir": {}},
     ]
     if spec.model.pvc_claim_name:
-        _mount_model(container, volumes, spec)
+        o.mount_model(container, volumes, spec.model)
     shared = settings.trainer.shared_checkpoints
     if shared.enabled:
         # The weights each trainer pushes are read from the trainer's checkpoint volume, at
@@ -437,9 +417,9 @@ def scheduler_deployment(
             "--openai-listen",
             o.listen_address(settings.network.bind_address, spec.scheduler.openai_port),
             "--tokenizer",
-            model_argument(spec),
+            spec.model.location(),
             "--served-model-name",
-            spec.model.name or model_argument(spec),
+            spec.model.name or spec.model.location(),
         ]
         container["ports"].append(
             {"name": "openai", "containerPort": spec.scheduler.openai_port, "protocol": "TCP"}
@@ -460,7 +440,7 @@ def scheduler_deployment(
         "volumes": [{"name": "tmp", "emptyDir": {}}],
     }
     if spec.scheduler.openai_port and spec.model.pvc_claim_name:
-        _mount_model(container, pod["volumes"], spec)  # its tokenizer and chat template
+        o.mount_model(container, pod["volumes"], spec.model)  # its tokenizer and chat template
     _network(pod, settings)
     scheduler = o.with_hash(
         {

@@ -343,6 +343,8 @@ def _pod_spec(
                 },
             }
         )
+    if spec.model.pvc_claim_name:
+        o.mount_model(container, pod["volumes"], spec.model)
     if settings.network.host_network:
         pod["hostNetwork"] = True
         pod["dnsPolicy"] = "ClusterFirstWithHostNet"

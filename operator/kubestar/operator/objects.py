@@ -8,7 +8,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from kubestar.api.v1alpha1 import API_VERSION
+from kubestar.api.v1alpha1 import API_VERSION, MODEL_MOUNT, ModelSource
 from kubestar.common.auth import ENV_TOKEN_FILE
 
 Obj = dict[str, Any]
@@ -236,6 +236,17 @@ def auth_flagged(command: list[str]) -> list[str]:
     which arguments go to vLLM)."""
     at = command.index("--") if "--" in command else len(command)
     return [*command[:at], "--auth-token-file", AUTH_TOKEN_FILE, *command[at:]]
+
+
+def mount_model(container: Obj, volumes: list[Obj], model: ModelSource) -> None:
+    """The model's claim, read-only at MODEL_MOUNT (where ModelSource.location points)."""
+    container["volumeMounts"].append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    volumes.append(
+        {
+            "name": "model",
+            "persistentVolumeClaim": {"claimName": model.pvc_claim_name, "readOnly": True},
+        }
+    )
 
 
 def single_pod_rollout(host_network: bool) -> Obj:

@@ -112,6 +112,11 @@ def train(
                     shutil.rmtree(entry)
                 elif not entry.name.startswith(".trainer"):  # not the lock just taken
                     entry.unlink()
+        if run.spec.model.pvc_claim_name and not run.spec.model.path:
+            raise click.ClickException(
+                f"spec.model.pvcClaimName: a local run cannot mount the claim "
+                f"{run.spec.model.pvc_claim_name!r}; set spec.model.path to the model's folder"
+            )
         source = run.spec.model.path or run.spec.model.name
         click.echo(f"preparing model {source}", err=True)
         model_dir = resolve_model(source)
@@ -248,6 +253,9 @@ def _train_in_cluster(run: TrainingRun, directory: Path) -> None:
     from kubestar.training.runlock import hold_run_folder
 
     env = TrainerEnvironment.from_env()
+    # The operator mounts the model's claim (model.pvcClaimName) in this pod: every rank reads
+    # the model from there.
+    run.spec.model.path = run.spec.model.location()
     if env.checkpoint_dir:
         run.spec.checkpoint.path = env.checkpoint_dir
         # Weights pushed to the engines must be readable by them: keep the run directory on

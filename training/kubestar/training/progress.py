@@ -25,10 +25,12 @@ from kubestar.api.v1alpha1 import (
     Progress,
     ProgressMetric,
     SearchEvaluationResult,
+    StageFilterResult,
     TrainingMetrics,
     TrainingRunStatus,
 )
 from kubestar.common import kube
+from kubestar.training.report import EVALUATION, FILTER
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +180,7 @@ def status_metrics(metrics: dict[str, float]) -> TrainingMetrics:
 
 def evaluation_result(entry: dict[str, Any]) -> EvaluationResult:
     """status.evaluations' entry for an evaluation's metrics entry (stage `evaluation`: the
-    greedy figures, and the search's under `search_*` keys when it ran)."""
+    sampled figures, and the search's under `search_*` keys when it ran)."""
     search = None
     if entry.get("search_mode"):
         search = SearchEvaluationResult(
@@ -194,7 +196,10 @@ def evaluation_result(entry: dict[str, Any]) -> EvaluationResult:
         point=entry.get("point", "end"),
         step=int(entry.get("step") or 0),
         problems=int(entry.get("problems") or 0),
+        samples=int(entry.get("eval_samples") or 1),
+        temperature=float(entry.get("eval_temperature") or 0.0),
         accuracy=float(entry.get("eval_accuracy") or 0.0),
+        pass_at_k=float(entry.get("eval_pass_at_k") or entry.get("eval_accuracy") or 0.0),
         generated_tokens_per_problem=float(entry.get("generated_tokens_per_problem") or 0.0),
         seconds=float(entry.get("seconds") or 0.0),
         search=search,
@@ -215,6 +220,40 @@ def evaluations_from_log(entries: list[dict[str, Any]]) -> list[EvaluationResult
     empty; its log holds every evaluation up to the checkpoint)."""
     status = TrainingRunStatus()
     for entry in entries:
-        if entry.get("stage") == "evaluation":
+        if entry.get("stage") == EVALUATION:
             record_evaluation(status, evaluation_result(entry))
     return status.evaluations
+
+
+def record_stage_filter(status: TrainingRunStatus, result: StageFilterResult) -> None:
+    """Add a stage filter's result to status.stageFilters (a stage filtered again after a
+    restart replaces its entry)."""
+    others = [entry for entry in status.stage_filters if entry.stage != result.stage]
+    status.stage_filters = [*others, result]
+
+
+def stage_filter_entry(step: int, result: StageFilterResult) -> dict[str, Any]:
+    """The metrics log's entry for a stage filter's result, at RL step `step`."""
+    return {
+        "step": step,
+        "stage": FILTER,
+        "filtered_stage": result.stage,
+        "k": result.k,
+        "evaluated": result.evaluated,
+        "kept": result.kept,
+    }
+
+
+def stage_filters_from_log(entries: list[dict[str, Any]]) -> list[StageFilterResult]:
+    """status.stageFilters rebuilt from a metrics log (entries of stage `filter`)."""
+    status = TrainingRunStatus()
+    for entry in entries:
+        if entry.get("stage") == FILTER:
+            result = StageFilterResult(
+                stage=str(entry["filtered_stage"]),
+                k=int(entry["k"]),
+                evaluated=int(entry["evaluated"]),
+                kept=int(entry["kept"]),
+            )
+            record_stage_filter(status, result)
+    return status.stage_filters

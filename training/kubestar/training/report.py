@@ -4,9 +4,10 @@ update's clip fraction per step; and the comparison of several runs (`write_comp
 
 It reads `run_dir/metrics.jsonl` (one JSON object per line, see TrainingSession): RL steps
 carry `step`, `stage` and the step's metrics; an entry with stage `sft` holds the SFT stage's
-metrics and one with stage `evaluation` the held-out evaluation (greedy, and the test-time
-search's figures under `search_*` keys when the run asked for it). Missing values are shown as
-`-` and left out of plots; a run with no steps still gets a report that says so.
+metrics and one with stage `evaluation` the held-out evaluation (avg@k and pass@k over k
+sampled trajectories, and the test-time search's figures under `search_*` keys when the run
+asked for it). Missing values are shown as `-` and left out of plots; a run with no steps
+still gets a report that says so.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+# The metrics log's stages besides the RL stages' names.
 SFT = "sft"
 EVALUATION = "evaluation"
+FILTER = "filter"  # a stage filter's result (progress.stage_filter_entry)
+FILTER_KEYS = ("k", "evaluated", "kept")
 
 # (key, column title, format) of the per-step table.
 STEP_COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -38,7 +42,9 @@ STEP_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("step_seconds", "step s", ".1f"),
 )
 EVALUATION_KEYS: tuple[tuple[str, str, str], ...] = (
-    ("eval_accuracy", "accuracy", ".3f"),
+    ("eval_accuracy", "avg@k", ".3f"),
+    ("eval_pass_at_k", "pass@k", ".3f"),
+    ("eval_samples", "k", ".0f"),
     ("answered_rate", "answered rate", ".3f"),
     ("truncated_rate", "truncated rate", ".3f"),
     ("tool_calls_per_trajectory", "tool calls per trajectory", ".2f"),
@@ -139,6 +145,23 @@ def _cell(value: Any, fmt: str) -> str:
     if fmt == "d":
         return str(int(number))
     return format(number, fmt)
+
+
+def _sampling_description(evaluations: Sequence[dict[str, Any]]) -> str:
+    """How the evaluations sampled: greedy decoding, or k trajectories at a temperature (an
+    evaluation logged before samples and temperature were recorded counts as greedy)."""
+    settings = sorted(
+        {
+            (int(e.get("eval_samples") or 1), float(e.get("eval_temperature") or 0.0))
+            for e in evaluations
+        }
+    )
+    return "; ".join(
+        "by greedy decoding"
+        if temperature == 0
+        else f"by {k} sampled trajectories each at temperature {temperature:g}"
+        for k, temperature in settings
+    )
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -283,9 +306,22 @@ def write_report(run_dir: Path) -> Path:
         lines.append("")
         lines += _stage_summary(steps)
 
+    filters = [e for e in entries if e.get("stage") == FILTER]
+    if filters:
+        lines += ["## Stage filters", "", "Problems a stage kept: those not solved k of k.", ""]
+        lines += _table(
+            ["stage", "k", "evaluated", "kept"],
+            [
+                [str(e.get("filtered_stage")), *(_cell(e.get(key), "d") for key in FILTER_KEYS)]
+                for e in filters
+            ],
+        )
+        lines.append("")
+
     if evaluations:
         modes = sorted({str(e["search_mode"]) for e in evaluations if e.get("search_mode")})
-        how = f"by greedy decoding and by test-time search ({', '.join(modes)})"
+        sampled = _sampling_description(evaluations)
+        how = f"{sampled} and by test-time search ({', '.join(modes)})"
         columns = EVALUATION_KEYS
         if modes:
             prefix = modes[0] if len(modes) == 1 else "search"
@@ -293,7 +329,7 @@ def write_report(run_dir: Path) -> Path:
         lines += [
             "## Evaluation",
             "",
-            f"Held-out problems, {how if modes else 'greedy decoding'}.",
+            f"Held-out problems, {how if modes else sampled}.",
             "",
         ]
         lines += _table(
@@ -408,7 +444,7 @@ def _status(run_dir: Path) -> str:
 def _steps(entries: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The RL steps among a run's metrics, in step order."""
     return sorted(
-        (e for e in entries if e.get("stage") not in (SFT, EVALUATION)),
+        (e for e in entries if e.get("stage") not in (SFT, EVALUATION, FILTER)),
         key=lambda e: _number(e.get("step")) or 0.0,
     )
 
@@ -481,7 +517,7 @@ def write_comparison(runs: Mapping[str, Path], folder: Path) -> Path:
     plots.append(
         (
             "compare_eval_accuracy.png",
-            "Held-out accuracy (greedy)",
+            "Held-out accuracy (avg@k)",
             "accuracy",
             [
                 (

@@ -38,11 +38,13 @@ from kubestar.api.v1alpha1 import (
     DatasetSpec,
     Progress,
     RolloutRetry,
+    StageFilterResult,
     StageSpec,
     TrainingMetrics,
     TrainingRun,
     TrainingRunStatus,
 )
+from kubestar.common.errors import KubestarError
 from kubestar.training import checkpoint
 from kubestar.training.checkpoint import RunState
 from kubestar.training.datasets import Problem, file_problems, load_problems, mixed_problems
@@ -56,8 +58,11 @@ from kubestar.training.progress import (
     evaluation_result,
     evaluations_from_log,
     record_evaluation,
+    record_stage_filter,
     set_phase,
     set_rollouts_condition,
+    stage_filter_entry,
+    stage_filters_from_log,
     status_metrics,
     step_progress,
 )
@@ -76,10 +81,10 @@ def algorithm_config(spec: AlgorithmSpec) -> AlgorithmConfig:
     return AlgorithmConfig(
         name=spec.name,
         group_size=spec.group_size,
-        oversample_factor=spec.oversample_factor if spec.name == "grpo-roc" else 1.0,
+        oversample_factor=spec.rollouts_oversample_factor,
         clip_low=spec.clip_low,
         clip_high=spec.clip_high,
-        positive_selection=spec.positive_selection,
+        positive_selection=spec.positive_selection or AlgorithmConfig.positive_selection,
         updates_per_step=spec.updates_per_step,
         tis_cap=spec.tis_cap,
     )
@@ -94,18 +99,76 @@ def load_dataset(spec: DatasetSpec) -> list[Problem]:
     return file_problems(spec.path, spec.format, limit=spec.size)
 
 
-def step_problems(problems: list[Problem], stage: StageSpec, step: int, seed: int) -> list[Problem]:
+class TooFewProblems(KubestarError):
+    """A stage's filter left fewer problems than one of its steps takes."""
+
+
+def step_problems(problems: list[Problem], stage: StageSpec, step: int) -> list[Problem]:
     """The problems of step `step`: consecutive slices of a per-epoch shuffle."""
     per_step = stage.problems_per_step
     chosen: list[Problem] = []
     position = step * per_step
+    orders: dict[int, list[int]] = {}
     while len(chosen) < per_step:
         epoch, offset = divmod(position, len(problems))
-        order = list(range(len(problems)))
-        random.Random(f"{seed}/{stage.name}/{epoch}").shuffle(order)
-        chosen.append(problems[order[offset]])
+        if epoch not in orders:
+            orders[epoch] = shuffled_order(len(problems), stage, epoch)
+        chosen.append(problems[orders[epoch][offset]])
         position += 1
     return chosen
+
+
+def shuffled_order(size: int, stage: StageSpec, epoch: int) -> list[int]:
+    """The order a stage draws its `size` problems in on pass `epoch`, seeded by the stage's
+    dataset.seed and name."""
+    order = list(range(size))
+    random.Random(f"{stage.dataset.seed}/{stage.name}/{epoch}").shuffle(order)
+    return order
+
+
+def solved_counts(trajectories: list[Trajectory]) -> dict[str, int]:
+    """Right answers per problem id."""
+    counts: dict[str, int] = {}
+    for trajectory in trajectories:
+        right = int((trajectory.reward or 0.0) > 0)
+        counts[trajectory.problem_id] = counts.get(trajectory.problem_id, 0) + right
+    return counts
+
+
+def filter_unsolved(
+    problems: list[Problem],
+    stage: StageSpec,
+    k: int,
+    solved: Callable[[list[Problem]], dict[str, int]],
+) -> tuple[list[Problem], int]:
+    """The problems `solved` (k samples each: right answers per id) finds solved fewer than
+    k times, and how many were evaluated. Problems are evaluated in the order the stage draws
+    them (a filter that stops early keeps a sample of the dataset, not its head), a chunk at a
+    time, until the stage's steps x problemsPerStep are kept."""
+    needed = stage.steps * stage.problems_per_step
+    chunk = max(stage.problems_per_step, 8)
+    ordered = [problems[i] for i in shuffled_order(len(problems), stage, epoch=0)]
+    kept: list[Problem] = []
+    evaluated = 0
+    for start in range(0, len(ordered), chunk):
+        candidates = ordered[start : start + chunk]
+        evaluated += len(candidates)
+        counts = solved(candidates)
+        kept += [p for p in candidates if counts.get(p.id, 0) < k]
+        if len(kept) >= needed:
+            break
+    return kept, evaluated
+
+
+def check_enough_problems(stage: StageSpec, result: StageFilterResult) -> None:
+    """Raises TooFewProblems when the stage's filter kept fewer problems than a step takes."""
+    if result.kept < stage.problems_per_step:
+        raise TooFewProblems(
+            f"stage {stage.name}: filter.dropSolvedKOfK {result.k} kept {result.kept} of "
+            f"{result.evaluated} problems, fewer than problemsPerStep "
+            f"{stage.problems_per_step}: the policy solves the rest every time; raise k, give "
+            "the stage a larger dataset, or lower problemsPerStep"
+        )
 
 
 class TrainingSession:
@@ -216,6 +279,9 @@ class TrainingSession:
             message = str(getattr(error, "cause", None) or error)
             self._set_phase(Phase.FAILED, Reason.INFRASTRUCTURE_FAILURES, message)
             raise
+        except TooFewProblems as error:
+            self._set_phase(Phase.FAILED, Reason.TOO_FEW_PROBLEMS, str(error))
+            raise
         except Exception as error:
             # The checkpoint volume filled up (in a save, or writing the weights on it).
             full = checkpoint.volume_full(error, self.checkpoints, self.spec.checkpoint.keep)
@@ -258,7 +324,12 @@ class TrainingSession:
             from kubestar.training.workers import call_limits_config
 
             # The examples' tool calls run under the pool's limits, as the RL rollouts' do.
-            self._doing("supervised fine-tuning", f"the sandbox {self.endpoints.sandbox}")
+            source = (
+                f"the SFT file {sft.dataset.path}"
+                if sft.dataset is not None
+                else f"the sandbox {self.endpoints.sandbox}"
+            )
+            self._doing("supervised fine-tuning", source)
             sft_metrics = run_sft(
                 policy,
                 self.model_dir,
@@ -294,7 +365,7 @@ class TrainingSession:
                     attempt = partial(
                         self._rollout,
                         worker,
-                        step_problems(problems, stage, step, seed=index),
+                        step_problems(problems, stage, step),
                         trainer.config.rollouts_per_problem,
                         stage.max_response_tokens,
                     )
@@ -356,10 +427,10 @@ class TrainingSession:
     def _algorithm(self) -> AlgorithmConfig:
         return algorithm_config(self.spec.algorithm)
 
-    def _sampling(self, temperature: float | None = None) -> Sampling:
-        a = self.spec.algorithm
+    def _sampling(self) -> Sampling:
+        """How training rollouts (and the stage filter's) sample."""
         return Sampling(
-            temperature=a.temperature if temperature is None else temperature, top_p=a.top_p
+            temperature=self.spec.algorithm.temperature, top_p=self.spec.algorithm.top_p
         )
 
     def _resume(self, policy: Policy, worker: Any) -> RunState:
@@ -388,6 +459,7 @@ class TrainingSession:
         self.metrics.truncate_after(state.global_step)
         self._show_logged_step(self.metrics.read(), state.global_step)
         self.status.evaluations = evaluations_from_log(self.metrics.read())
+        self.status.stage_filters = stage_filters_from_log(self.metrics.read())
         self.status.last_checkpoint = str(latest)
         self._push_weights(policy, worker, version=state.global_step, folder=latest / "weights")
         return state
@@ -406,15 +478,13 @@ class TrainingSession:
     def _drop_solved(
         self, problems: list[Problem], stage: StageSpec, k: int, worker: Any
     ) -> list[Problem]:
-        """Keep problems the current policy does not solve k of k, evaluating only as many
-        as the stage needs."""
+        """Keep problems the current policy does not solve k of k (filter_unsolved), and say
+        what was kept in the log and status.stageFilters."""
         import ray
 
-        needed = stage.steps * stage.problems_per_step
-        kept: list[Problem] = []
-        chunk = max(stage.problems_per_step, 8)
-        for start in range(0, len(problems), chunk):
-            candidates = problems[start : start + chunk]
+        self._doing(f"filtering the problems of {stage.name}", self._rollout_components())
+
+        def solved(candidates: list[Problem]) -> dict[str, int]:
             trajectories, _ = ray.get(
                 worker.rollout.remote(
                     candidates,
@@ -424,14 +494,16 @@ class TrainingSession:
                     self._sampling(),
                 )
             )
-            solved: dict[str, int] = {}
-            for t in trajectories:
-                solved[t.problem_id] = solved.get(t.problem_id, 0) + int((t.reward or 0) > 0)
-            kept += [p for p in candidates if solved.get(p.id, 0) < k]
-            if len(kept) >= needed:
-                break
-        log.info("stage filter", extra={"fields": {"stage": stage.name, "k": k, "kept": len(kept)}})
-        return kept or problems
+            return solved_counts(trajectories)
+
+        kept, evaluated = filter_unsolved(problems, stage, k, solved)
+        result = StageFilterResult(stage=stage.name, k=k, evaluated=evaluated, kept=len(kept))
+        self.metrics.append(stage_filter_entry(self.status.step, result))
+        record_stage_filter(self.status, result)
+        self.reporter.report(self.status)
+        log.info("stage filter", extra={"fields": result.model_dump()})
+        check_enough_problems(stage, result)
+        return kept
 
     def _push_weights(
         self, policy: Policy, worker: Any, version: int, folder: Path | None = None
@@ -520,7 +592,7 @@ class TrainingSession:
         self._show_step(step, numbers)
 
     def _evaluate(self, worker: Any, point: str) -> None:
-        """Greedy agent-loop rollouts on the held-out problems, then, with
+        """Sampled agent-loop rollouts on the held-out problems (avg@k, pass@k), then, with
         evaluation.search, the same problems solved by test-time search; `point` says when
         (start, sft, step, end). Written to metrics.jsonl (the search's figures as
         `search_*`), evaluation-POINT.json (the search's trees to
@@ -535,17 +607,20 @@ class TrainingSession:
         problems = load_dataset(evaluation.dataset)
         max_tokens = max(stage.max_response_tokens for stage in self.spec.stages)
         started = time.monotonic()
-        trajectories, _ = ray.get(
+        trajectories, stats = ray.get(
             worker.rollout.remote(
                 problems,
                 evaluation.samples,
                 self.spec.algorithm.max_turns,
                 max_tokens,
-                self._sampling(temperature=0.0),
+                Sampling(temperature=evaluation.temperature, top_p=1.0),
             )
         )
         summary: dict[str, Any] = dict(evaluation_summary(trajectories))
         summary["problems"] = len(problems)
+        summary["eval_samples"] = evaluation.samples
+        summary["eval_temperature"] = evaluation.temperature
+        summary["eval_pass_at_k"] = stats.pass_at_samples
         summary["generated_tokens_per_problem"] = sum(t.model_tokens for t in trajectories) / max(
             len(problems), 1
         )

@@ -1,12 +1,19 @@
 """Non-reasoning SFT: teach the tool-call format and instruction following before RL.
 
-The SFT stage of a run (`run_sft`) makes its examples (`kubestar.training.sft_data`: scripted
-solutions whose tool calls run in the real sandbox, with the masks of RL trajectories) and
-trains on them: `spec.epochs` passes in shuffled batches of `spec.batch_size` examples, masked
-cross-entropy through `Policy.sft_step`, with a fresh AdamW at `spec.learning_rate`; the RL
-optimizer (fresh moments, the RL learning rate) is restored afterwards.
+The SFT stage of a run (`run_sft`) gets its examples, masked as RL trajectories, from one of:
 
-A sharded trainer makes the examples on rank 0 and every rank trains on its rows of each batch.
+* `kubestar.training.sft_data` (spec.dataset unset): scripted solutions whose tool calls run
+  in the real sandbox, `spec.examples` of them (default 256);
+* `kubestar.training.sft_file` (spec.dataset set): the user's own conversations in the chat
+  format TRL and verl read, rendered in kubestar's tool-call format; the file's first
+  `spec.examples` conversations that fit `spec.max_tokens` (default: all of them).
+
+and trains on them: `spec.epochs` passes in shuffled batches of `spec.batch_size` examples,
+masked cross-entropy through `Policy.sft_step`, with a fresh AdamW at `spec.learning_rate`; the
+RL optimizer (fresh moments, the RL learning rate) is restored afterwards.
+
+A sharded trainer makes or reads the examples on rank 0 and every rank trains on its rows of
+each batch.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from kubestar.training.chat import ChatTokenizer
 from kubestar.training.distributed import broadcast, shard
 from kubestar.training.rollout import RolloutConfig
 from kubestar.training.sft_data import SftExample, build_sft_examples
+from kubestar.training.sft_file import load_sft_file
 
 if TYPE_CHECKING:
     from kubestar.api.v1alpha1 import SftSpec
@@ -32,6 +40,9 @@ log = logging.getLogger(__name__)
 
 # (stage, step, total steps, metrics), as TrainingSession's progress callback.
 ProgressCallback = Callable[[str, int, int, dict[str, float]], None]
+
+# Examples made when spec.examples is unset and there is no spec.dataset.
+DEFAULT_EXAMPLES = 256
 
 
 def train_sft(
@@ -115,19 +126,30 @@ def run_sft(
     progress: ProgressCallback | None = None,
     config: RolloutConfig | None = None,
 ) -> dict[str, float]:
-    """The SFT stage of a run: make `spec.examples` examples, train on them.
+    """The SFT stage of a run: make `spec.examples` examples (or read them from
+    `spec.dataset.path`), train on them.
 
-    Returns the metrics (loss of the last epoch, examples, trained tokens, seconds, ...).
+    Returns the metrics (loss of the last epoch, examples, trained tokens, seconds, ...; with
+    spec.dataset also dropped_too_long, the file's conversations longer than max_tokens).
     """
     started = time.monotonic()
     tokenizer = ChatTokenizer.from_model(model_dir)
     examples: list[SftExample] = []
+    dropped_too_long = 0
     if policy.world.main:
-        examples = build_sft_examples(
-            spec.examples, sandbox_endpoint, tokenizer, seed=seed, max_tokens=spec.max_tokens,
-            config=config,
-        )  # fmt: skip
-    examples = broadcast(examples, policy.world)
+        if spec.dataset is not None:
+            # Conversations without a system message get the RL rollouts' instructions.
+            instructions = (config or RolloutConfig()).instructions
+            read = load_sft_file(
+                spec.dataset.path, tokenizer, spec.examples, spec.max_tokens, instructions
+            )
+            examples, dropped_too_long = read.examples, read.dropped_too_long
+        else:
+            examples = build_sft_examples(
+                spec.examples or DEFAULT_EXAMPLES, sandbox_endpoint, tokenizer, seed=seed,
+                max_tokens=spec.max_tokens, config=config,
+            )  # fmt: skip
+    examples, dropped_too_long = broadcast((examples, dropped_too_long), policy.world)
     built = time.monotonic() - started
     metrics = train_sft(
         policy,
@@ -144,4 +166,6 @@ def run_sft(
         data_seconds=built,
         seconds=time.monotonic() - started,
     )
+    if spec.dataset is not None:
+        metrics["dropped_too_long"] = float(dropped_too_long)
     return metrics
