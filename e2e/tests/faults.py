@@ -145,7 +145,7 @@ def metrics_log(checkpoint_host_dir: Path, namespace: str, run: str) -> list[dic
     """The RL steps of the run's metrics log (in the run folder on the checkpoint volume)."""
     path = checkpoint_host_dir / namespace / run / "run" / "metrics.jsonl"
     entries = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [e for e in entries if e.get("stage") not in ("sft", "evaluation")]
+    return [e for e in entries if "stage_step" in e]
 
 
 def cost(faults: list[Fault], steps: list[dict[str, Any]]) -> dict[str, Any]:

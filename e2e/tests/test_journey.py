@@ -36,6 +36,9 @@ from e2e.tests.faults import (
     metrics_log,
 )
 from e2e.tests.kube import Obj, Recorder, Tools, Watch, condition, wait_for
+from e2e.tests.rehearsal import json_lines as rehearsal_log_lines
+from e2e.tests.rehearsal import manifest as rehearsal_manifest
+from e2e.tests.rehearsal import prepare_volumes
 from tests.real_parts import missing
 
 pytestmark = pytest.mark.journey
@@ -1302,6 +1305,110 @@ def test_delete_collects_every_child(tools: Tools, settings: Settings) -> None:
     )
     settings.notes["garbage_collection_s"] = round(time.monotonic() - started, 1)
     assert not tools.items("kubestar", settings.namespace)
+
+
+REHEARSAL = "rehearsal"
+
+
+@needs("chart")
+def test_the_papers_recipe_rehearsed_at_small_scale(
+    tools: Tools, settings: Settings, request: pytest.FixtureRequest
+) -> None:
+    """e2e/manifests/paper-rehearsal.yaml, the shape of examples/paper-amd.yaml made small:
+    the model from a claim, SFT from the user's file, three stages with a length ramp and a
+    k-of-k filter, 2 trainer pods x 2 processes, sampled evaluation. It succeeds, and its
+    status, metrics log and pods' logs show each part did what its field says."""
+    volumes = prepare_volumes(checkpoint_host_dir(settings).parent / "e2e-rehearsal")
+    text = rehearsal_manifest(settings.namespace, volumes)
+    tools.kubectl_text("apply", "-n", settings.namespace, "-f", "-", input_text=text)
+    recorder = Recorder(tools, "trainingrun", REHEARSAL, settings.namespace)
+    recorder.start()
+    try:
+
+        def finished() -> Obj | None:
+            status = run_status(tools, settings, REHEARSAL)
+            return status if status.get("phase") in ("Succeeded", "Failed") else None
+
+        final = wait_for(
+            "the rehearsal to finish",
+            finished,
+            timeout=settings.run_timeout,
+            interval=3,
+            describe=lambda: json.dumps(run_status(tools, settings, REHEARSAL), indent=1),
+        )
+        recorder.stop()
+        recorder.dump(settings.out / "rehearsal-statuses.jsonl")
+        assert final["phase"] == "Succeeded", json.dumps(final, indent=1)
+        phases = recorder.phases()
+        expected = ["SFT", "Training", "Succeeded"]  # an evaluation may pass unseen
+        assert [p for p in phases if p in expected] == expected, phases
+        check_rehearsal(tools, settings, final, request.config)
+    finally:
+        recorder.stop()
+        tools.kubectl_run(
+            "delete", "-n", settings.namespace, "-f", "-", "--wait=true",
+            input_text=text, check=False, timeout=300,
+        )  # fmt: skip
+
+
+def check_rehearsal(tools: Tools, settings: Settings, final: Obj, config: pytest.Config) -> None:
+    """What the rehearsal's status, metrics log and pods' logs say it did."""
+    log = checkpoint_host_dir(settings) / settings.namespace / REHEARSAL / "run" / "metrics.jsonl"
+    entries = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    steps = [e for e in entries if "stage_step" in e]
+    # Each stage ran its steps with its own response budget, all four ranks in the world.
+    budgets = {"stage1-32": 32, "stage2-48": 48, "stage3-48-hard": 48}
+    assert [(e["stage"], e["max_response_tokens"]) for e in steps] == [
+        ("stage1-32", 32), ("stage2-48", 48), ("stage3-48-hard", 48), ("stage3-48-hard", 48)
+    ], steps  # fmt: skip
+    assert all(e["world_size"] == 4 and e["trained_tokens"] > 0 for e in steps), steps
+    # SFT trained on the file's four conversations.
+    (sft,) = [e for e in entries if e["stage"] == "sft"]
+    assert sft["examples"] == 4 and sft["dropped_too_long"] == 0, sft
+    # The filter evaluated the stage's six problems (the repeated one read once) and the
+    # stage trained on what it says it kept.
+    (kept,) = final["stageFilters"]
+    assert kept["stage"] == "stage3-48-hard" and kept["k"] == 4 and kept["evaluated"] == 6, kept
+    assert 2 <= kept["kept"] <= 6, kept
+    # Sampled evaluation: k = 4 at temperature 1, at the start and the end.
+    evaluations = final["evaluations"]
+    assert [e["point"] for e in evaluations] == ["start", "end"], evaluations
+    for evaluation in evaluations:
+        assert (evaluation["samples"], evaluation["temperature"]) == (4, 1.0), evaluation
+        assert evaluation["problems"] == 2 and evaluation["passAtK"] >= evaluation["accuracy"]
+    # Both trainer pods, two ranks each, read the model from its claim and trained every
+    # step; rank 0 logged each stage's budget and the problems it kept.
+    logs = {}
+    for worker, job in enumerate((f"{REHEARSAL}-trainer", f"{REHEARSAL}-trainer-1")):
+        text = tools.kubectl_text("logs", f"job/{job}", "-n", settings.namespace)
+        (settings.out / f"{job}.log").write_text(text)
+        assert f"rank {2 * worker} of 4, model /models/qwen3-coin" in text, text[-2000:]
+        logs[worker] = rehearsal_log_lines(text)
+    trained = [
+        (e["rank"], e["world_size"])
+        for w in logs
+        for e in logs[w]
+        if e.get("msg") == "rank trained"
+    ]
+    assert sorted(trained) == sorted([(rank, 4) for rank in range(4)] * len(steps)), trained
+    started = [e for e in logs[0] if e.get("msg") == "stage"]
+    assert [(e["stage"], e["max_response_tokens"]) for e in started] == list(budgets.items())
+    assert started[-1]["problems"] == kept["kept"], started
+    fleet = tools.kubectl_json("get", "deployment", "-n", settings.namespace, "-l",
+                               f"{INSTANCE}=rehearsal-fleet,{COMPONENT}=engine")  # fmt: skip
+    (engine,) = fleet["items"]
+    command = engine["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--model") + 1] == "/models/qwen3-coin", command
+    # Figures for bench/RESULTS.md: seconds per stage, the filter, evaluation.
+    per_stage: dict[str, float] = {}
+    for entry in steps:
+        per_stage[entry["stage"]] = per_stage.get(entry["stage"], 0.0) + entry["step_seconds"]
+    seconds = ", ".join(f"{name} {value:.0f} s" for name, value in per_stage.items())
+    figures(config).append(
+        f"paper rehearsal: {len(steps)} steps ({seconds}); filter kept {kept['kept']} of "
+        f"{kept['evaluated']}; SFT {sft['examples']:.0f} conversations in {sft['seconds']:.0f} s; "
+        f"avg@4 {evaluations[-1]['accuracy']:.2f}, pass@4 {evaluations[-1]['passAtK']:.2f}"
+    )
 
 
 @needs("chart")

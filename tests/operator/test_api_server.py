@@ -116,7 +116,7 @@ def test_defaults_fill_every_field(cluster: LocalCluster, namespace: str) -> Non
 
 
 def test_examples_are_accepted(cluster: LocalCluster, namespace: str) -> None:
-    for example in ("tiny-cpu.yaml", "paper-amd.yaml"):
+    for example in ("tiny-cpu.yaml", "paper-amd.yaml", "qwen3-nvidia.yaml"):
         done = cluster.kubectl(
             "apply", "-n", namespace, "--dry-run=server", "-f", str(EXAMPLES / example)
         )

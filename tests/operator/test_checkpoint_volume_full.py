@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from kubestar.api import trainer_contract
 from kubestar.api.conditions import ConditionType, Phase, Reason
-from kubestar.cli.train import _exit_volume_full
+from kubestar.cli.train import _exit_final
 from kubestar.operator import build_trainer
 from kubestar.operator import trainingrun as tr
 from kubestar.operator.settings import OperatorSettings
@@ -43,7 +43,7 @@ def test_the_trainer_job_names_its_volume_and_fails_at_once_when_it_is_full() ->
         "action": "FailJob",
         "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [28]},
     }
-    assert trainer_contract.EXIT_CHECKPOINT_VOLUME_FULL == 28
+    assert trainer_contract.EXIT_FINAL_FAILURE == 28
     # Where the checkpoints lie otherwise.
     named = spec.model_copy(
         update={"checkpoint": spec.checkpoint.model_copy(update={"pvc_claim_name": "mine"})}
@@ -63,8 +63,8 @@ def test_the_trainers_words_reach_trainer_ready(tmp_path: Path) -> None:
     """What `kubestar train --in-cluster` writes as it exits is what TrainerReady says."""
     log = tmp_path / "termination-log"
     with pytest.raises(SystemExit) as exited:
-        _exit_volume_full(CheckpointVolumeFull(MESSAGE), str(log))
-    assert exited.value.code == trainer_contract.EXIT_CHECKPOINT_VOLUME_FULL
+        _exit_final(CheckpointVolumeFull(MESSAGE), str(log))
+    assert exited.value.code == trainer_contract.EXIT_FINAL_FAILURE
     assert log.read_text() == f"CheckpointVolumeFull: {MESSAGE}\n"
     assert CheckpointVolumeFull.reason == Reason.CHECKPOINT_VOLUME_FULL
 

@@ -78,10 +78,17 @@ def wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
     return predicate()
 
 
-def coin_model(folder: Path, questions: list[str], answers: tuple[str, ...] = ("7", "3")) -> Path:
-    """The tiny random model taught to answer each of `questions` with `\\boxed{a}` for an `a`
-    of `answers`, each exactly equally often: sampled, a group's rewards are mixed on purpose.
-    Trained here (a few seconds) and written to `folder` as the engines load it.
+def coin_model(
+    folder: Path,
+    questions: list[str],
+    answers: tuple[str, ...] = ("7", "3"),
+    base: Path | None = None,
+) -> Path:
+    """The tiny random model `base` (default: tests.real_parts.tiny_model's Llama) taught to
+    answer each of `questions` with `\\boxed{a}` for an `a` of `answers`, each exactly equally
+    often: sampled, a group's rewards are mixed on purpose. Trained here (a few seconds) and
+    written to `folder` as the engines load it; `base` must tie its output layer to its
+    embeddings.
 
     A fair coin on every CPU: the answers' tokens share one embedding row (the model ties its
     output layer to it), projected back to their mean after every step, so their logits are
@@ -92,7 +99,7 @@ def coin_model(folder: Path, questions: list[str], answers: tuple[str, ...] = ("
 
     from tests.real_parts import tiny_model
 
-    base = tiny_model()
+    base = base or tiny_model()
     tokenizer = ChatTokenizer.from_model(base)
     policy = Policy(base, OptimizerConfig(learning_rate=3e-3), device="cpu")
     model = policy.model

@@ -26,7 +26,7 @@ require_modules("torch", "transformers", "safetensors")
 
 import torch  # noqa: E402
 from kubestar.api.conditions import Reason  # noqa: E402
-from kubestar.api.trainer_contract import EXIT_CHECKPOINT_VOLUME_FULL  # noqa: E402
+from kubestar.api.trainer_contract import EXIT_FINAL_FAILURE  # noqa: E402
 from kubestar.training import checkpoint  # noqa: E402
 from kubestar.training.checkpoint import RunState  # noqa: E402
 from kubestar.training.distributed import World  # noqa: E402
@@ -293,7 +293,7 @@ def test_a_full_volume_fails_the_run_with_its_reason(tmp_path: Path) -> None:
         )
     )
     done, left = in_tiny_volume(volume, command, env=env, timeout=900)
-    assert done.returncode == EXIT_CHECKPOINT_VOLUME_FULL, done.stderr[-3000:]
+    assert done.returncode == EXIT_FINAL_FAILURE, done.stderr[-3000:]
     assert [m["step"] for m in rl_steps(tmp_path)] == [1, 2]  # it failed saving step 2
     status = json.loads((tmp_path / "run" / "status.json").read_text())
     assert status["phase"] == "Failed"

@@ -40,17 +40,19 @@ Training, Succeeded, Failed: kubestar.api.conditions.TRAINER_PHASES), `stage`, `
 `rolloutRetry` (which `rollouts_condition` turns into the RolloutsHealthy condition),
 `activity` (what it does and waits on; the operator's watchdog turns an activity that does
 not move on into the Stalled condition), `evaluations` (the held-out evaluations, greedy and
-search, rebuilt from the metrics log when a trainer resumes). The operator
+search, rebuilt from the metrics log when a trainer resumes), `stageFilters` (what each
+stage's filter kept, likewise rebuilt). The operator
 owns `conditions`, `observedGeneration`, `stepSummary`, `trainer` and the phases Pending and
 Provisioning; it also sets Succeeded or Failed from the Job's outcome when the trainer could
 not. A report that fails is logged and dropped, never retried: training goes on, and the next
 report carries the whole state again.
 
 A trainer that fails for a reason the operator shows as it is (CheckpointVolumeFull: the
-checkpoint volume is full) writes `Reason: message` to its termination message
-(TERMINATION_LOG) and exits with that reason's code (EXIT_CHECKPOINT_VOLUME_FULL), which
-fails its Job at once (podFailurePolicy, Kubernetes 1.26 and later) instead of retrying: a
-retry would fill the same volume again. TrainerReady then carries the reason and message.
+checkpoint volume is full; TooFewProblems: a stage's filter left too few problems) writes
+`Reason: message` to its termination message (TERMINATION_LOG) and exits with
+EXIT_FINAL_FAILURE, which fails its Job at once (podFailurePolicy, Kubernetes 1.26 and later)
+instead of retrying: a retry would meet the same failure. TrainerReady then carries the
+reason and message.
 
 The operator (kubestar.operator.build_trainer) writes this contract and the trainer
 (`kubestar train --in-cluster`) reads it; both import it from here, so neither imports the
@@ -90,7 +92,7 @@ ENV_RENDEZVOUS = "KUBESTAR_TRAINER_RENDEZVOUS"
 TERMINATION_LOG = "/dev/termination-log"
 # The exit code of a trainer whose checkpoint volume is full (ENOSPC's errno): its Job fails
 # without retrying.
-EXIT_CHECKPOINT_VOLUME_FULL = 28
+EXIT_FINAL_FAILURE = 28
 
 CONFIG_DIR = "/etc/kubestar"
 RUN_CONFIG = f"{CONFIG_DIR}/run.yaml"
@@ -106,6 +108,7 @@ TRAINER_FIELDS = (
     "rolloutRetry",
     "activity",
     "evaluations",
+    "stageFilters",
 )
 
 

@@ -429,8 +429,9 @@ def job(
     }
     if server_version >= POD_FAILURE_POLICY_SINCE:
         # A pod lost to a drain, an eviction or a preemption is not the trainer's failure:
-        # it does not count against backoffLimit. A full checkpoint volume fails the Job at
-        # once: a retry would fill it again.
+        # it does not count against backoffLimit. A failure the trainer states as final (a
+        # full checkpoint volume, a stage without problems) fails the Job at once: a retry
+        # would meet it again.
         job_spec["podFailurePolicy"] = {
             "rules": [
                 {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
@@ -439,7 +440,7 @@ def job(
                     "onExitCodes": {
                         "containerName": "trainer",
                         "operator": "In",
-                        "values": [c.EXIT_CHECKPOINT_VOLUME_FULL],
+                        "values": [c.EXIT_FINAL_FAILURE],
                     },
                 },
             ]

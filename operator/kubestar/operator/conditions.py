@@ -27,13 +27,18 @@ STUCK_WAITING = {
 }
 # Reasons a kubestar container states itself, as the first word of its termination message
 # ("IsolationUnavailable: ..."): more precise than the crash loop or the exit code.
-STATED_REASONS = {Reason.ISOLATION_UNAVAILABLE, Reason.CHECKPOINT_VOLUME_FULL}
+STATED_REASONS = {
+    Reason.ISOLATION_UNAVAILABLE,
+    Reason.CHECKPOINT_VOLUME_FULL,
+    Reason.TOO_FEW_PROBLEMS,
+}
 # Stated reasons no retry of the pod can fix: a trainer that states one has failed.
-FINAL_REASONS = {Reason.CHECKPOINT_VOLUME_FULL}
+FINAL_REASONS = {Reason.CHECKPOINT_VOLUME_FULL, Reason.TOO_FEW_PROBLEMS}
 # Worst first: the reason a condition shows when several pods have problems.
 SEVERITY = [
     Reason.ISOLATION_UNAVAILABLE,
     Reason.CHECKPOINT_VOLUME_FULL,
+    Reason.TOO_FEW_PROBLEMS,
     Reason.OOM_KILLED,
     Reason.CRASH_LOOP_BACK_OFF,
     Reason.IMAGE_PULL_BACK_OFF,

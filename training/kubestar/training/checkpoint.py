@@ -55,6 +55,7 @@ from kubestar.api.conditions import Reason
 from kubestar.api.trainer_contract import ENV_CHECKPOINT_VOLUME
 from kubestar.training.distributed import SINGLE, World, all_gather, broadcast
 from kubestar.training.policy import Policy
+from kubestar.training.stopping import FinalFailure
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -80,7 +81,7 @@ class CheckpointError(Exception):
     """A checkpoint could not be written or read. Raised on every rank alike."""
 
 
-class CheckpointVolumeFull(CheckpointError):
+class CheckpointVolumeFull(CheckpointError, FinalFailure):
     """The checkpoint volume ran out of space (or quota) during a save: the message names
     the folder, the volume, the space left and what to do."""
 

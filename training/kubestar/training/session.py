@@ -26,6 +26,7 @@ import shutil
 import time
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -35,13 +36,16 @@ from kubestar.api.v1alpha1 import (
     Activity,
     AlgorithmSpec,
     CallLimitsSpec,
+    CheckpointSpec,
     DatasetSpec,
     Progress,
     RolloutRetry,
+    SftSpec,
     StageFilterResult,
     StageSpec,
     TrainingMetrics,
     TrainingRun,
+    TrainingRunSpec,
     TrainingRunStatus,
 )
 from kubestar.common.errors import KubestarError
@@ -67,7 +71,7 @@ from kubestar.training.progress import (
     step_progress,
 )
 from kubestar.training.resilience import InfrastructureFailure, rollout_step
-from kubestar.training.stopping import StopRequest, TrainingStopped
+from kubestar.training.stopping import FinalFailure, StopRequest, TrainingStopped
 from kubestar.training.trainer import AlgorithmConfig, GrpoTrainer
 from kubestar.training.trajectory import Trajectory
 
@@ -90,6 +94,89 @@ def algorithm_config(spec: AlgorithmSpec) -> AlgorithmConfig:
     )
 
 
+@dataclass(frozen=True)
+class PolicySettings:
+    """How the trainer builds its Policy from the TrainingRun's spec (besides the model
+    folder and the world)."""
+
+    optimizer: OptimizerConfig
+    device: str
+    micro_batch_size: int
+    sharding: ShardingConfig
+    precision: str
+
+
+def policy_settings(spec: TrainingRunSpec) -> PolicySettings:
+    """The Policy's settings: the RL learning rate, spec.trainer's device, micro-batch,
+    activation checkpointing and precision."""
+    trainer = spec.trainer
+    return PolicySettings(
+        optimizer=OptimizerConfig(learning_rate=spec.algorithm.learning_rate),
+        device=trainer.device,
+        micro_batch_size=trainer.micro_batch_size,
+        sharding=ShardingConfig(activation_checkpointing=trainer.activation_checkpointing),
+        precision=trainer.precision,
+    )
+
+
+def total_steps(spec: TrainingRunSpec) -> int:
+    """RL steps of the whole run: the stages' steps added."""
+    return sum(stage.steps for stage in spec.stages)
+
+
+def sft_stage(spec: TrainingRunSpec) -> SftSpec | None:
+    """The SFT stage the run asks for: spec.sft when set and enabled, else None."""
+    sft = spec.sft
+    return sft if sft is not None and sft.enabled else None
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """What the trainer asks the rollout worker for: `samples` trajectories per problem, each
+    of at most `max_turns` turns and `max_tokens` generated tokens, sampled with `sampling`."""
+
+    samples: int
+    max_turns: int
+    max_tokens: int
+    sampling: Sampling
+
+    def arguments(self) -> tuple[int, int, int, Sampling]:
+        """The arguments after the problems, in RolloutWorker.rollout's order."""
+        return self.samples, self.max_turns, self.max_tokens, self.sampling
+
+
+def training_rollouts(spec: TrainingRunSpec, stage: StageSpec, samples: int) -> RolloutRequest:
+    """A stage's rollouts (its steps' and its filter's): spec.algorithm's turns and sampling,
+    the stage's response budget."""
+    algorithm = spec.algorithm
+    return RolloutRequest(
+        samples=samples,
+        max_turns=algorithm.max_turns,
+        max_tokens=stage.max_response_tokens,
+        sampling=Sampling(temperature=algorithm.temperature, top_p=algorithm.top_p),
+    )
+
+
+def evaluation_rollouts(spec: TrainingRunSpec) -> RolloutRequest:
+    """The held-out evaluation's rollouts: evaluation.samples per problem at
+    evaluation.temperature (top-p 1), the largest stage's response budget."""
+    evaluation = spec.evaluation
+    return RolloutRequest(
+        samples=evaluation.samples,
+        max_turns=spec.algorithm.max_turns,
+        max_tokens=max(stage.max_response_tokens for stage in spec.stages),
+        sampling=Sampling(temperature=evaluation.temperature, top_p=1.0),
+    )
+
+
+def checkpoint_due(
+    spec: CheckpointSpec, stage: StageSpec, global_step: int, stage_step: int
+) -> bool:
+    """Whether the step just done is checkpointed: every checkpoint.everySteps steps (over
+    all stages) and at the end of each stage."""
+    return global_step % spec.every_steps == 0 or stage_step == stage.steps
+
+
 def load_dataset(spec: DatasetSpec) -> list[Problem]:
     if spec.generator:
         return load_problems(spec.generator, spec.size, spec.seed)
@@ -99,8 +186,10 @@ def load_dataset(spec: DatasetSpec) -> list[Problem]:
     return file_problems(spec.path, spec.format, limit=spec.size)
 
 
-class TooFewProblems(KubestarError):
+class TooFewProblems(KubestarError, FinalFailure):
     """A stage's filter left fewer problems than one of its steps takes."""
+
+    reason = Reason.TOO_FEW_PROBLEMS
 
 
 def step_problems(problems: list[Problem], stage: StageSpec, step: int) -> list[Problem]:
@@ -208,7 +297,7 @@ class TrainingSession:
         self.weights_dir = run_dir / "weights"
         self.metrics = MetricsLog(run_dir / "metrics.jsonl")
         self.status = TrainingRunStatus(
-            total_steps=sum(stage.steps for stage in self.spec.stages),
+            total_steps=total_steps(self.spec),
             observed_generation=int(run.metadata.model_extra.get("generation", 0) or 0)
             if run.metadata.model_extra
             else 0,
@@ -228,16 +317,15 @@ class TrainingSession:
         import ray
         from kubestar.training.workers import RolloutWorker
 
-        algorithm = self.spec.algorithm
-        trainer_spec = self.spec.trainer
+        settings = policy_settings(self.spec)
         policy = Policy(
             self.model_dir,
-            OptimizerConfig(learning_rate=algorithm.learning_rate),
-            device=trainer_spec.device,
-            micro_batch_size=trainer_spec.micro_batch_size,
+            settings.optimizer,
+            device=settings.device,
+            micro_batch_size=settings.micro_batch_size,
             world=self.world,
-            sharding=ShardingConfig(activation_checkpointing=trainer_spec.activation_checkpointing),
-            precision=trainer_spec.precision,
+            sharding=settings.sharding,
+            precision=settings.precision,
         )
         if not self.world.main:
             self._run(policy, None)  # follows rank 0's steps; rollouts are rank 0's
@@ -314,8 +402,8 @@ class TrainingSession:
         if state.rng_state is not None:
             trainer.rng.setstate(state.rng_state)
 
-        sft = self.spec.sft
-        if sft is not None and sft.enabled and not state.sft_done:
+        sft = sft_stage(self.spec)
+        if sft is not None and not state.sft_done:
             self._set_phase(
                 Phase.SFT, Reason.SUPERVISED_FINE_TUNING, "non-reasoning SFT on the tool format"
             )
@@ -356,6 +444,14 @@ class TrainingSession:
             if state.stage_step == 0 and stage.reset_optimizer and index > 0:
                 policy.reset_optimizer()
             self.status.stage = stage.name
+            if main:
+                fields = {
+                    "stage": stage.name,
+                    "max_response_tokens": stage.max_response_tokens,
+                    "steps": stage.steps,
+                    "problems": len(problems),
+                }
+                log.info("stage", extra={"fields": fields})
             for step in range(state.stage_step, stage.steps):
                 started = time.monotonic()
                 trajectories: list[Trajectory] = []
@@ -366,8 +462,7 @@ class TrainingSession:
                         self._rollout,
                         worker,
                         step_problems(problems, stage, step),
-                        trainer.config.rollouts_per_problem,
-                        stage.max_response_tokens,
+                        training_rollouts(self.spec, stage, trainer.config.rollouts_per_problem),
                     )
                     trajectories, stats, attempts = rollout_step(
                         attempt, self.spec.resilience, state.global_step + 1, self._retrying
@@ -384,6 +479,7 @@ class TrainingSession:
                     metrics.update(
                         step_seconds=time.monotonic() - started,
                         rollout_seconds=rollout_seconds,
+                        max_response_tokens=float(stage.max_response_tokens),
                         tokens_per_second=stats.tokens_per_s,
                         world_size=float(self.world.size),  # training processes
                         rollout_attempts=float(attempts),
@@ -403,11 +499,10 @@ class TrainingSession:
                     self._evaluate(worker, "step")
                 # Asked to stop (any rank's SIGTERM): this step is checkpointed, then no more.
                 stopping = all_reduce(float(self.stop.requested), self.world, policy.device) > 0
-                if (
-                    state.global_step % self.spec.checkpoint.every_steps == 0
-                    or state.stage_step == stage.steps
-                    or stopping
-                ):
+                due = checkpoint_due(
+                    self.spec.checkpoint, stage, state.global_step, state.stage_step
+                )
+                if due or stopping:
                     self._checkpoint(policy, state, trainer, weights=pushed)
                 if stopping:
                     raise TrainingStopped(state.global_step, self.status.last_checkpoint)
@@ -426,12 +521,6 @@ class TrainingSession:
 
     def _algorithm(self) -> AlgorithmConfig:
         return algorithm_config(self.spec.algorithm)
-
-    def _sampling(self) -> Sampling:
-        """How training rollouts (and the stage filter's) sample."""
-        return Sampling(
-            temperature=self.spec.algorithm.temperature, top_p=self.spec.algorithm.top_p
-        )
 
     def _resume(self, policy: Policy, worker: Any) -> RunState:
         # A restarted trainer's status keeps the step the run had reached while the
@@ -484,16 +573,10 @@ class TrainingSession:
 
         self._doing(f"filtering the problems of {stage.name}", self._rollout_components())
 
+        request = training_rollouts(self.spec, stage, k)
+
         def solved(candidates: list[Problem]) -> dict[str, int]:
-            trajectories, _ = ray.get(
-                worker.rollout.remote(
-                    candidates,
-                    k,
-                    self.spec.algorithm.max_turns,
-                    stage.max_response_tokens,
-                    self._sampling(),
-                )
-            )
+            trajectories, _ = ray.get(worker.rollout.remote(candidates, *request.arguments()))
             return solved_counts(trajectories)
 
         kept, evaluated = filter_unsolved(problems, stage, k, solved)
@@ -605,17 +688,10 @@ class TrainingSession:
         self._set_phase(Phase.EVALUATING, Reason.EVALUATING, f"held-out problems ({point})")
         self._doing(f"evaluating ({point})", self._rollout_components())
         problems = load_dataset(evaluation.dataset)
-        max_tokens = max(stage.max_response_tokens for stage in self.spec.stages)
+        request = evaluation_rollouts(self.spec)
+        max_tokens = request.max_tokens
         started = time.monotonic()
-        trajectories, stats = ray.get(
-            worker.rollout.remote(
-                problems,
-                evaluation.samples,
-                self.spec.algorithm.max_turns,
-                max_tokens,
-                Sampling(temperature=evaluation.temperature, top_p=1.0),
-            )
-        )
+        trajectories, stats = ray.get(worker.rollout.remote(problems, *request.arguments()))
         summary: dict[str, Any] = dict(evaluation_summary(trajectories))
         summary["problems"] = len(problems)
         summary["eval_samples"] = evaluation.samples
@@ -654,7 +730,7 @@ class TrainingSession:
         self.reporter.report(self.status)
 
     def _rollout(
-        self, worker: Any, problems: list[Problem], samples: int, max_tokens: int
+        self, worker: Any, problems: list[Problem], request: RolloutRequest
     ) -> tuple[list[Trajectory], Any]:
         """One rollout of a step's problems on the Ray worker: trajectories and their stats.
         First the scheduler is checked to serve the latest weights (a restart loses them)."""
@@ -665,11 +741,7 @@ class TrainingSession:
             path, version = self._weights
             if ray.get(worker.ensure_weights.remote(path, version, self.spec.resilience)):
                 self._pushed_again += 1
-        trajectories, stats = ray.get(
-            worker.rollout.remote(
-                problems, samples, self.spec.algorithm.max_turns, max_tokens, self._sampling()
-            )
-        )
+        trajectories, stats = ray.get(worker.rollout.remote(problems, *request.arguments()))
         return trajectories, stats
 
     def _rollout_components(self) -> str:

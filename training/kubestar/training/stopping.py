@@ -19,6 +19,14 @@ log = logging.getLogger(__name__)
 EXIT_STOPPED = 128 + signal.SIGTERM
 
 
+class FinalFailure(Exception):
+    """A failure no retry of the trainer can fix (a full checkpoint volume, a stage left
+    without problems): the trainer states `reason: message` as its termination message and
+    exits with EXIT_FINAL_FAILURE, and the run fails instead of retrying."""
+
+    reason: str
+
+
 class TrainingStopped(Exception):
     """Raised out of a training session that stopped on request after a checkpoint."""
 

@@ -15,6 +15,7 @@ samples in bf16 with its own kernels, and the ratio must compare like with like.
 
 from __future__ import annotations
 
+import logging
 import random
 import statistics
 from collections import defaultdict
@@ -28,6 +29,8 @@ from kubestar.training.grpo import GrpoConfig, group_advantages
 from kubestar.training.policy import Policy
 from kubestar.training.roc import PositiveSelection, TraceQuality, resample_on_correct
 from kubestar.training.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -202,6 +205,11 @@ class GrpoTrainer:
             )
             for key, value in stats.items():
                 totals[key] += value / len(minis)
+        # Every rank says what it trained: each holds its shard and takes its rows.
+        log.info(
+            "rank trained",
+            extra={"fields": {"rank": world.rank, "world_size": world.size, "rows": len(mine)}},
+        )
         metrics.update({f"train_{key}": value for key, value in totals.items()})
         metrics["trained_tokens"] = float(batch.tokens)
         metrics["optimizer_steps"] = float(len(minis))
