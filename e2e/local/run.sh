@@ -43,7 +43,7 @@ teardown() {
     # The small volume the full-checkpoint-volume test mounts (unmounted by the test itself
     # unless it was interrupted).
     if mountpoint -q "$DIR/e2e-full-volume"; then umount "$DIR/e2e-full-volume" || rc=1; fi
-    rm -rf "$SHARED"
+    rm -rf "$SHARED" "$DIR/e2e-rehearsal" # the rehearsal's volumes (removed by its test)
     return $rc
 }
 e2e_traps teardown

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -1312,14 +1313,15 @@ REHEARSAL = "rehearsal"
 
 @needs("chart")
 def test_the_papers_recipe_rehearsed_at_small_scale(
-    tools: Tools, settings: Settings, request: pytest.FixtureRequest
+    tools: Tools, settings: Settings, namespace: str, request: pytest.FixtureRequest
 ) -> None:
     """e2e/manifests/paper-rehearsal.yaml, the shape of examples/paper-amd.yaml made small:
     the model from a claim, SFT from the user's file, three stages with a length ramp and a
     k-of-k filter, 2 trainer pods x 2 processes, sampled evaluation. It succeeds, and its
     status, metrics log and pods' logs show each part did what its field says."""
-    volumes = prepare_volumes(checkpoint_host_dir(settings).parent / "e2e-rehearsal")
-    text = rehearsal_manifest(settings.namespace, volumes)
+    root = checkpoint_host_dir(settings).parent / "e2e-rehearsal"
+    volumes = prepare_volumes(root)
+    text = rehearsal_manifest(namespace, volumes)
     tools.kubectl_text("apply", "-n", settings.namespace, "-f", "-", input_text=text)
     recorder = Recorder(tools, "trainingrun", REHEARSAL, settings.namespace)
     recorder.start()
@@ -1349,6 +1351,7 @@ def test_the_papers_recipe_rehearsed_at_small_scale(
             "delete", "-n", settings.namespace, "-f", "-", "--wait=true",
             input_text=text, check=False, timeout=300,
         )  # fmt: skip
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def check_rehearsal(tools: Tools, settings: Settings, final: Obj, config: pytest.Config) -> None:

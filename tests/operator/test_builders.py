@@ -485,6 +485,8 @@ def test_trainer_job_follows_the_contract() -> None:
         "-f",
         "/etc/kubestar/run.yaml",
         "--in-cluster",
+        "--log-level",
+        "info",
     ]
     env = {e["name"]: e["value"] for e in trainer["env"]}
     parsed = trainer_contract.TrainerEnvironment.from_env(env)

@@ -351,7 +351,8 @@ def _pod_spec(
     return pod
 
 
-TRAIN_COMMAND = ["kubestar", "train", "-f", c.RUN_CONFIG, "--in-cluster"]
+# Info: a step's stage, filter and per-rank lines are what a user reads in `kubectl logs`.
+TRAIN_COMMAND = ["kubestar", "train", "-f", c.RUN_CONFIG, "--in-cluster", "--log-level", "info"]
 
 
 def rendezvous_address(run: Mapping[str, Any], settings: OperatorSettings) -> str:

@@ -289,7 +289,8 @@ def _train_worker_pod(run: TrainingRun, directory: Path, env: TrainerEnvironment
     stop = StopRequest().install()  # before the ranks start: a drain may come at any time
     first_rank = env.worker_index * env.processes
     command = [sys.executable, "-m", "kubestar.cli.main", "train", "-f", env.run_config]
-    command += ["--in-cluster"]
+    level = logging.getLevelName(logging.getLogger().level).lower()  # this pod's --log-level
+    command += ["--in-cluster", "--log-level", level]
     with local_ranks(size, command, None, first_rank, env.processes, master) as world:
         pod = os.environ.get("HOSTNAME", "")
         click.echo(
