@@ -26,7 +26,7 @@ import csv
 import json
 import math
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -164,8 +164,12 @@ AIME_ID_KEYS = ("id", "problem_idx")
 AIME_FIELDS = "problem or question, and answer (any case)"
 
 
-def _json_lines(file: Path) -> Iterator[tuple[int, Any]]:
-    """(line number, value) of every non-blank line."""
+def json_lines(
+    file: Path, error: Callable[[str], Exception], hint: str = ""
+) -> Iterator[tuple[int, Any]]:
+    """(line number, value) of every non-blank line of a JSON-lines file; a line that is not
+    JSON, or a file that is not text, raises `error` naming the file and line (`hint`: what
+    to do, after the reason)."""
     try:
         with file.open(encoding="utf-8") as handle:
             for number, line in enumerate(handle, 1):
@@ -174,12 +178,14 @@ def _json_lines(file: Path) -> Iterator[tuple[int, Any]]:
                 try:
                     yield number, json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise DatasetFormatError(f"{file}:{number}: not JSON: {exc}") from exc
+                    raise error(f"{file}:{number}: not JSON: {exc}") from exc
     except UnicodeDecodeError as exc:
-        raise DatasetFormatError(
-            f"{file}: not a text file of JSON lines ({exc.reason} at byte {exc.start}); a "
-            "parquet file needs format dapo or aime"
-        ) from exc
+        reason = f"{file}: not a text file of JSON lines ({exc.reason} at byte {exc.start})"
+        raise error(reason + (f"; {hint}" if hint else "")) from exc
+
+
+def _json_lines(file: Path) -> Iterator[tuple[int, Any]]:
+    return json_lines(file, DatasetFormatError, "a parquet file needs format dapo or aime")
 
 
 def _json_file(file: Path) -> Iterator[tuple[int, Any]]:

@@ -157,6 +157,15 @@ def shard(rows: int, world: World) -> list[int]:
     return list(range(world.rank, rows, world.size))
 
 
+def row_share(rows: int, world: World, rank: int | None = None) -> tuple[int, int]:
+    """(first row, row count) of a rank's run of a tensor's `rows`, as FSDP2's Shard(0) deals
+    them (torch.chunk: ceil(rows / N) to each rank in turn, the last ones short or empty).
+    `rank`: whose (default: this rank's)."""
+    share = -(-rows // world.size)
+    start = min((world.rank if rank is None else rank) * share, rows)
+    return start, max(0, min(share, rows - start))
+
+
 def shard_model(
     model: torch.nn.Module, world: World, device: torch.device, param_dtype: torch.dtype
 ) -> None:

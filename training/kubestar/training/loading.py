@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kubestar.training.distributed import World, shard_model
+from kubestar.training.distributed import World, row_share, shard_model
 from kubestar.training.weights import INDEX_FILE, SINGLE_FILE
 
 
@@ -112,8 +112,7 @@ def _read_own_rows(model: Any, source: Path, world: World) -> None:
             stored = handles[path].get_slice(key)
             if isinstance(value, DTensor):  # FSDP2's Shard(0): a run of rows
                 local = value.to_local()
-                share = -(-value.shape[0] // world.size)
-                start = min(world.rank * share, value.shape[0])
-                local.copy_(stored[start : start + local.shape[0]].to(local.dtype))
+                start, count = row_share(value.shape[0], world)
+                local.copy_(stored[start : start + count].to(local.dtype))
             else:
                 value.copy_(stored[:].to(value.dtype))

@@ -47,6 +47,7 @@ from typing import Any
 
 from kubestar.common.errors import KubestarError
 from kubestar.training.chat import ChatTokenizer
+from kubestar.training.datasets import json_lines
 from kubestar.training.sft_data import SftExample, format_tool_call
 from kubestar.training.tools import (
     DEFAULT_INSTRUCTIONS,
@@ -309,23 +310,12 @@ def _records(file: Path) -> Iterator[tuple[int, Mapping[str, Any]]]:
     if not file.is_file():
         raise SftFileError(f"{SPEC_FIELD}: {file} is not a file")
     try:
-        with file.open(encoding="utf-8") as handle:
-            for number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                try:
-                    value = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise SftFileError(f"{file}:{number}: not JSON: {exc}") from exc
-                if not isinstance(value, Mapping):
-                    raise SftFileError(
-                        f"{file}:{number}: not an object with messages but {value!r:.60}"
-                    )
-                yield number, value
-    except UnicodeDecodeError as exc:
-        raise SftFileError(
-            f"{file}: not a text file of JSON lines ({exc.reason} at byte {exc.start})"
-        ) from exc
+        for number, value in json_lines(file, SftFileError):
+            if not isinstance(value, Mapping):
+                raise SftFileError(
+                    f"{file}:{number}: not an object with messages but {value!r:.60}"
+                )
+            yield number, value
     except OSError as exc:
         raise SftFileError(f"{SPEC_FIELD}: {file} cannot be read: {exc.strerror or exc}") from exc
 

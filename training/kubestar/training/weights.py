@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kubestar.training.distributed import World, barrier
+from kubestar.training.distributed import World, barrier, row_share
 
 # A bucket of bf16 tensors rank 0 holds at once while writing the engines' folder.
 DEFAULT_BUCKET_BYTES = 1 << 30
@@ -154,7 +154,8 @@ def gather_bucket(
         import torch.distributed as dist
 
         # [rows per rank share, elements per row] of each tensor; the buffer is their sum.
-        shares = [(-(-t.shape[0] // world.size), t[0].numel()) for _, t in sharded]
+        # Rank 0's share is the longest: every rank's part is padded to it.
+        shares = [(row_share(t.shape[0], world, 0)[1], t[0].numel()) for _, t in sharded]
         pieces = []
         for (_, tensor), (share_rows, row_numel) in zip(sharded, shares, strict=True):
             local = tensor.to_local().detach().to(EXPORT_DTYPE).reshape(-1)  # type: ignore[attr-defined]
@@ -170,7 +171,7 @@ def gather_bucket(
             for (key, tensor), (share_rows, row_numel) in zip(sharded, shares, strict=True):
                 rows = []
                 for rank, part in enumerate(parts):
-                    count = max(0, min(share_rows, tensor.shape[0] - rank * share_rows))
+                    _, count = row_share(tensor.shape[0], world, rank)
                     rows.append(part[offset : offset + count * row_numel])
                 offset += share_rows * row_numel
                 held[key] = torch.cat(rows).reshape(tensor.shape).to("cpu").contiguous()
