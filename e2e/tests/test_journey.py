@@ -508,7 +508,9 @@ TARGETS = json.loads('{targets}')
 PROBE = '''
 import json, os, socket
 targets = json.loads(%r)
-seen = {{"uid": os.getuid(), "interfaces": [name for _, name in socket.if_nameindex()]}}
+# The namespace's interfaces (if_nameindex() asks netlink, which calls cannot open).
+lines = open("/proc/net/dev").read().splitlines()[2:]
+seen = {{"uid": os.getuid(), "interfaces": sorted(line.split(":")[0].strip() for line in lines)}}
 if seen["interfaces"] == ["lo"]:
     # No interface leads anywhere: the attempt cannot leave this machine.
     targets["outside"] = ["192.0.2.1", 80]

@@ -112,6 +112,76 @@ print(*ran)
 """
 
 
+# socket() of each family (with a type the family takes), socketpair() of some, and socket()
+# through the raw system call with bits above the 32-bit family set (the kernel reads an int:
+# 1 << 32 | AF_NETLINK is a netlink socket to it).
+SOCKET_PROBES = """
+import ctypes, errno, socket
+libc = ctypes.CDLL(None, use_errno=True)
+def answer(make):
+    try:
+        made = make()
+    except OSError as error:
+        return errno.errorcode[error.errno]
+    for one in made if isinstance(made, tuple) else (made,):
+        one.close()
+    return "ok"
+def raw_socket(family, kind):
+    ctypes.set_errno(0)
+    fd = libc.syscall(ctypes.c_long(SOCKET), ctypes.c_long(family), ctypes.c_long(kind), 0)
+    if fd < 0:
+        return errno.errorcode[ctypes.get_errno()]
+    socket.close(fd)
+    return "ok"
+for name, family, kind in [
+    ("AF_UNIX", socket.AF_UNIX, socket.SOCK_STREAM),
+    ("AF_INET", socket.AF_INET, socket.SOCK_STREAM),
+    ("AF_INET_UDP", socket.AF_INET, socket.SOCK_DGRAM),
+    ("AF_NETLINK", socket.AF_NETLINK, socket.SOCK_RAW),
+    ("AF_VSOCK", 40, socket.SOCK_STREAM),
+    ("AF_PACKET", socket.AF_PACKET, socket.SOCK_RAW),
+    ("AF_ALG", 38, socket.SOCK_SEQPACKET),
+    ("AF_UNSPEC", 0, socket.SOCK_STREAM),
+]:
+    print(name, answer(lambda: socket.socket(family, kind)))
+print("socketpair(AF_UNIX)", answer(lambda: socket.socketpair(socket.AF_UNIX)))
+netlink_pair = lambda: socket.socketpair(socket.AF_NETLINK, socket.SOCK_RAW)
+print("socketpair(AF_NETLINK)", answer(netlink_pair))
+print("raw(AF_UNIX)", raw_socket(socket.AF_UNIX, socket.SOCK_STREAM))
+print("raw(1<<32|AF_NETLINK)", raw_socket(1 << 32 | socket.AF_NETLINK, socket.SOCK_RAW))
+"""
+
+
+def socket_answers(server: ServerProcess) -> dict[str, str]:
+    try:
+        number = seccomp.syscall_number("socket")
+    except seccomp.FilterUnavailable as error:
+        missing(str(error))
+    with SandboxClient(server.endpoint, timeout=60) as client:
+        result = client.execute(SOCKET_PROBES.replace("SOCKET", str(number)))
+        assert result.status == pb.EXECUTION_STATUS_OK, result
+        assert_still_serving(client)
+    return dict(line.rsplit(" ", 1) for line in result.stdout.splitlines())
+
+
+def test_only_unix_and_inet_sockets_are_allowed(filtered: ServerProcess) -> None:
+    answers = socket_answers(filtered)
+    assert answers == {
+        "AF_UNIX": "ok",
+        "AF_INET": "ok",  # still cut off from the network by the network namespace
+        "AF_INET_UDP": "ok",
+        "AF_NETLINK": "EPERM",
+        "AF_VSOCK": "EPERM",
+        "AF_PACKET": "EPERM",
+        "AF_ALG": "EPERM",
+        "AF_UNSPEC": "EPERM",
+        "socketpair(AF_UNIX)": "ok",
+        "socketpair(AF_NETLINK)": "EPERM",
+        "raw(AF_UNIX)": "ok",
+        "raw(1<<32|AF_NETLINK)": "EPERM",
+    }
+
+
 def run_probes(server: ServerProcess) -> dict[str, str]:
     with SandboxClient(server.endpoint, timeout=60) as client:
         result = client.execute(Call(code=probe_code(), timeout_seconds=30))
@@ -162,6 +232,7 @@ def test_without_the_filter_the_kernel_answers(log_dir: Path, mode: str) -> None
     server = start_worker(log_dir, mode, "--no-syscall-filter", preload=PRELOAD)
     try:
         answers = run_probes(server)
+        sockets = socket_answers(server)
         log = server.log()
     finally:
         server.stop()
@@ -171,4 +242,7 @@ def test_without_the_filter_the_kernel_answers(log_dir: Path, mode: str) -> None
     assert answers["setns"] == "EBADF"
     assert answers["ptrace"] == "ESRCH"
     assert answers["mount"] == "EFAULT"
+    # Netlink needs no privilege: the kernel makes it, here with the filter off.
+    assert (sockets["AF_NETLINK"], sockets["raw(1<<32|AF_NETLINK)"]) == ("ok", "ok")
+    assert sockets["AF_VSOCK"] != "EPERM"  # EAFNOSUPPORT where the kernel lacks vsock
     assert "the syscall filter is off (--no-syscall-filter)" in log

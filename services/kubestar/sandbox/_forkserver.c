@@ -37,6 +37,7 @@
 #include <sys/mman.h>
 #include <sys/ipc.h>
 #include <sys/msg.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/sem.h>
 #include <sys/shm.h>
@@ -69,6 +70,8 @@
 #define MAX_KEEP 64
 /* The call's report channel: it writes "M" there when it runs out of memory. */
 #define REPORT_FD 3
+/* Calls are the first the OOM killer takes (the most a process can ask for). */
+#define CALL_OOM_SCORE_ADJ "1000"
 
 struct request_header {
     double timeout_seconds;
@@ -200,8 +203,26 @@ static void set_limit(int resource, rlim_t soft, rlim_t hard, const char *what) 
     }
 }
 
+/* The kernel's OOM killer takes the call before the worker or its zygote (whose score
+ * stays as it was). The call inherits the zygote's non-dumpable state, under which its /proc
+ * files belong to root and a call without capabilities (not root: a user namespace) cannot
+ * open its own oom_score_adj: dumpable for the write, while nothing but this code runs in the
+ * process, and not again at the end of prepare_call. */
+static void raise_oom_score(void) {
+    if (prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) != 0) {
+        setup_failed("prctl(PR_SET_DUMPABLE)");
+    }
+    int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+    if (fd < 0 || write(fd, CALL_OOM_SCORE_ADJ, strlen(CALL_OOM_SCORE_ADJ)) < 0) {
+        setup_failed("/proc/self/oom_score_adj");
+    }
+    close(fd);
+}
+
 /* In the forked call, before any Python runs: own process group (not a session: see
- * zygote.py), standard streams, no other descriptor, working directory, rlimits, uid. */
+ * zygote.py), standard streams, no other descriptor, working directory, OOM score, rlimits,
+ * uid, and not dumpable (what runs outside the call cannot open its /proc/PID/mem or
+ * ptrace it). */
 static void prepare_call(server_t *server, const struct request_header *request, int stdin_fd,
                          int out_write, int err_write, int report_write, const char *workdir) {
     setpgid(0, 0);
@@ -218,6 +239,7 @@ static void prepare_call(server_t *server, const struct request_header *request,
     if (chdir(workdir) != 0) {
         setup_failed("chdir");
     }
+    raise_oom_score();
     rlim_t cpu_seconds = (rlim_t)request->timeout_seconds + 1;
     set_limit(RLIMIT_CPU, cpu_seconds, cpu_seconds + 1, "RLIMIT_CPU");
     rlim_t address_space = (rlim_t)(server->baseline_vm_bytes + request->memory_bytes);
@@ -241,6 +263,10 @@ static void prepare_call(server_t *server, const struct request_header *request,
         if (setuid(server->call_uid) != 0) {
             setup_failed("setuid");
         }
+    }
+    /* Last: raise_oom_score made it dumpable, and a change of uid sets fs.suid_dumpable. */
+    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0) {
+        setup_failed("prctl(PR_SET_DUMPABLE)");
     }
 }
 
@@ -874,6 +900,12 @@ static PyObject *serve(PyObject *module, PyObject *args, PyObject *kwargs) {
                                      &server.max_file_bytes, &server.max_open_files,
                                      &server.max_processes, &PyDict_Type, &private_dirs)) {
         return NULL;
+    }
+    /* Not dumpable from before the first call on, for good: a process of the same uid (a
+     * call, not as root) can then neither ptrace the zygote nor open its /proc/PID/mem,
+     * and its /proc files belong to root. Calls inherit it (see prepare_call). */
+    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0) {
+        return PyErr_SetFromErrno(PyExc_OSError);
     }
     snprintf(server.workdir, sizeof server.workdir, "%s", workdir);
     server.call_uid = call_uid;

@@ -81,6 +81,14 @@ ROOT_CAPABILITIES = {
 # Docker's secret mounts.
 SECRET_PATHS = ("/var/run/secrets", "/run/secrets", "/root")
 PRIVATE_TMPFS = ("/tmp", "/var/tmp", "/dev/shm")
+# Files, directories and links each private tmpfs holds at most (nr_inodes; the runtime
+# shown there and the call directories count too). A tmpfs inode is kernel memory outside
+# the tmpfs's size, which by default only half the machine's pages bound: a call that makes
+# empty files in a loop gets ENOSPC here. Emptied after each call, so this is per call.
+PRIVATE_TMPFS_INODES = 4096
+PRIVATE_TMPFS_OPTIONS = f"size=256m,nr_inodes={PRIVATE_TMPFS_INODES},mode=1777"
+# The empty, read-only tmpfs over secret and hidden paths (only the runtime's mount points).
+COVER_TMPFS_OPTIONS = "size=64k,nr_inodes=1024,mode=0755"
 # Resolved: a symlink on the way (a checkout linked under /tmp) may be covered by a tmpfs.
 ZYGOTE_SCRIPT = Path(__file__).resolve().with_name("zygote.py")
 
@@ -351,10 +359,10 @@ def _setup_mounts(isolation: Isolation, hidden_paths: list[str]) -> None:
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
         for path in PRIVATE_TMPFS:
             if os.path.isdir(path):
-                _cover(path, "size=256m,mode=1777", read_only=False)
+                _cover(path, PRIVATE_TMPFS_OPTIONS, read_only=False)
         for path in [*SECRET_PATHS, *hidden_paths]:
             if os.path.isdir(path):
-                _cover(path, "size=64k,mode=0755", read_only=True)
+                _cover(path, COVER_TMPFS_OPTIONS, read_only=True)
             elif os.path.isfile(path):
                 _mount("/dev/null", path, None, MS_BIND, None)
     except OSError as error:

@@ -8,10 +8,13 @@ What a call may not do, whatever its arguments (EPERM): trace or read other proc
 namespaces and mounts (unshare, setns, mount, umount2, pivot_root, chroot and the new mount
 API), reach the kernel's least-tested paths (bpf, perf_event_open, userfaultfd, io_uring,
 keyrings, modify_ldt, open_by_handle_at, fanotify) or the machine's controls (kexec, kernel
-modules, reboot, swap, syslog, accounting, quotas). clone() with a namespace flag gets EPERM
-too; clone3() gets ENOSYS: its flags sit in memory that a filter cannot read, and C libraries
-fall back to clone() when it is missing, whose flags the filter does check. Everything else is
-allowed. A 32-bit or x32 system call from the 64-bit process kills it.
+modules, reboot, swap, syslog, accounting, quotas). socket() and socketpair() of any family
+but AF_UNIX, AF_INET and AF_INET6 get EPERM (no netlink, vsock, packet, ... sockets: the
+kernel's interfaces a call has no use for; AF_INET is still cut off by the network
+namespace). clone() with a namespace flag gets EPERM too; clone3() gets ENOSYS: its flags sit
+in memory that a filter cannot read, and C libraries fall back to clone() when it is missing,
+whose flags the filter does check. Everything else is allowed. A 32-bit or x32 system call
+from the 64-bit process kills it.
 
 The worker loads the filter into each zygote (isolation.py) just before it becomes the zygote;
 every call's process is forked from it and inherits it, so the filter is in force before the
@@ -101,12 +104,18 @@ CLONE_NAMESPACE_FLAGS = (
     CLONE_NEWPID,
     CLONE_NEWNET,
 )
+# The only socket families a call may make (socket() and socketpair(), linux/socket.h).
+AF_UNIX = 1
+AF_INET = 2
+AF_INET6 = 10
+SOCKET_FAMILIES = (AF_UNIX, AF_INET, AF_INET6)
 
 # libseccomp's actions, attributes and comparison operators (seccomp.h), and the kernel's.
 SCMP_ACT_KILL_PROCESS = 0x80000000
 SCMP_ACT_ALLOW = 0x7FFF0000
 SCMP_FLTATR_ACT_BADARCH = 2
 SCMP_CMP_EQ = 4
+SCMP_CMP_GT = 6
 SCMP_CMP_MASKED_EQ = 7
 PR_SET_SECCOMP = 22
 PR_SET_NO_NEW_PRIVS = 38
@@ -139,6 +148,11 @@ def arg0_has(flags: int) -> ArgumentComparison:
 
 def arg0_is(value: int) -> ArgumentComparison:
     return ArgumentComparison(0, SCMP_CMP_EQ, value, 0)
+
+
+def arg0_above(value: int) -> ArgumentComparison:
+    """The first argument, as a 64-bit register, is greater than `value`."""
+    return ArgumentComparison(0, SCMP_CMP_GT, value, 0)
 
 
 def _describe(code: int) -> str:
@@ -277,6 +291,14 @@ def build_call_filter(built: Filter) -> None:
     built.refuse("clone3", errno.ENOSYS)
     for flag in CLONE_NAMESPACE_FLAGS:
         built.refuse("clone", errno.EPERM, arg0_has(flag))
+    # Every family but SOCKET_FAMILIES: each value below the highest one, and anything above
+    # it (the whole register: upper bits set do not turn a refused family into an allowed one).
+    highest = max(SOCKET_FAMILIES)
+    for syscall in ("socket", "socketpair"):
+        for family in range(highest):
+            if family not in SOCKET_FAMILIES:
+                built.refuse(syscall, errno.EPERM, arg0_is(family))
+        built.refuse(syscall, errno.EPERM, arg0_above(highest))
 
 
 def load_call_filter() -> None:

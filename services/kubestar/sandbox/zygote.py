@@ -11,8 +11,9 @@ script, and exits: it never returns into this module.
 
 Per call (in the forked child): own process group, fresh private working directory, scrubbed
 environment, rlimits (CPU, address space, processes, file size, open files, no core dumps),
-the executor's unprivileged uid. The zygote enforces the wall-clock timeout and the output
-caps and reaps everything.
+oom_score_adj 1000, the executor's unprivileged uid, not dumpable (the zygote is not either,
+from before its first call on: no call can open its /proc/PID/mem or ptrace it). The zygote
+enforces the wall-clock timeout and the output caps and reaps everything.
 
 Wire format on the control socket: the ready message is a 4-byte big-endian length +
 a `marshal`-encoded dict; calls and answers use _forkserver's fixed headers (see executor.py).
