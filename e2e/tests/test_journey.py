@@ -1234,7 +1234,12 @@ def test_a_pool_without_the_isolation_it_needs_is_not_ready(
     tools: Tools, settings: Settings
 ) -> None:
     """Told to isolate by user namespaces, which this node's runtime refuses to non-root
-    containers, the pool's new worker does not serve, and the pool says why."""
+    containers, the pool's new worker does not serve, and the pool says why. The chart's
+    mechanism is set back afterwards: pools made later (the rehearsal's) must serve."""
+    installed = json.loads(
+        tools.helm("get", "values", settings.release, "-n", settings.system_namespace, "-a",
+                   "-o", "json")
+    )["sandbox"]["isolationMechanism"]  # fmt: skip
     tools.helm(
         "upgrade",
         *upgrade_args(settings, "sandbox.isolationMechanism=UserNamespace"),
@@ -1242,29 +1247,40 @@ def test_a_pool_without_the_isolation_it_needs_is_not_ready(
         "--timeout",
         "5m",
     )
+    try:
 
-    def unavailable() -> Obj | None:
-        pool = tools.get("sandboxpool", POOL, settings.namespace) or {}
-        ready = condition(pool, "Ready") or {}
-        return ready if ready.get("reason") == "IsolationUnavailable" else None
+        def unavailable() -> Obj | None:
+            pool = tools.get("sandboxpool", POOL, settings.namespace) or {}
+            ready = condition(pool, "Ready") or {}
+            return ready if ready.get("reason") == "IsolationUnavailable" else None
 
-    ready = wait_for(
-        "the pool to say IsolationUnavailable",
-        unavailable,
-        timeout=300,
-        interval=2,
-        describe=lambda: json.dumps(tools.get("sandboxpool", POOL, settings.namespace), indent=1),
-    )
-    settings.notes["isolation_unavailable"] = ready["message"]
-    assert ready["status"] == "False", ready
-    assert "unshare(CLONE_NEWUSER|CLONE_NEWNET) failed: EPERM" in ready["message"], ready
-    workers = tools.items(
-        "pods",
-        settings.namespace,
-        f"app.kubernetes.io/instance={POOL}",
-        "app.kubernetes.io/component=sandbox-worker",
-    )
-    assert workers and not any(pod_ready(pod) for pod in workers), workers
+        ready = wait_for(
+            "the pool to say IsolationUnavailable",
+            unavailable,
+            timeout=300,
+            interval=2,
+            describe=lambda: json.dumps(
+                tools.get("sandboxpool", POOL, settings.namespace), indent=1
+            ),
+        )
+        settings.notes["isolation_unavailable"] = ready["message"]
+        assert ready["status"] == "False", ready
+        assert "unshare(CLONE_NEWUSER|CLONE_NEWNET) failed: EPERM" in ready["message"], ready
+        workers = tools.items(
+            "pods",
+            settings.namespace,
+            f"app.kubernetes.io/instance={POOL}",
+            "app.kubernetes.io/component=sandbox-worker",
+        )
+        assert workers and not any(pod_ready(pod) for pod in workers), workers
+    finally:
+        tools.helm(
+            "upgrade",
+            *upgrade_args(settings, f"sandbox.isolationMechanism={installed}"),
+            "--wait",
+            "--timeout",
+            "5m",
+        )
 
 
 @needs("chart", "fleet", "pool", "run")
