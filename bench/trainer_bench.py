@@ -8,7 +8,11 @@ CPU, NCCL on GPUs), so that each rank's RSS high-water mark is its own. Per worl
   2. `--warmup` then `--steps` SFT steps on `--rows` synthetic rows of `--tokens` tokens (the
      rows dealt to ranks as in training): training tokens/s over the whole world;
   3. the weight push: `Policy.save_weights` (bucketed, bf16) timed, in s/GB of bf16 written,
-     with the most bytes rank 0 held at once;
+     with the most bytes rank 0 held at once; then the folder delivered to an engine process
+     both ways, side by side: `volume` (the engine reads the files, as from a shared volume;
+     here the page cache holds them, the volume's best case) and `broadcast` (rank 0's
+     WeightServer sends them over a gloo group on the loopback, kubestar.engine.weight_sync),
+     each timed in the engine from its request until every tensor is in its memory;
   4. a sharded checkpoint (torch.distributed.checkpoint, every rank its own file), timed.
 
 Per rank: peak RSS after loading and after training (ru_maxrss), RSS after training (what
@@ -184,6 +188,9 @@ def measure(args: argparse.Namespace, world: Any) -> dict[str, Any]:
     policy.save_weights(scratch / "weights", bucket_bytes=args.bucket_bytes)
     written = policy.last_weights
     assert written is not None
+    if world.main:
+        for path in ("volume", "broadcast"):
+            report[f"deliver_{path}_seconds"] = deliver(scratch / "weights", path)
     report.update(
         push_seconds=written.seconds,
         push_bytes=written.total_bytes,
@@ -205,6 +212,43 @@ def measure(args: argparse.Namespace, world: Any) -> dict[str, Any]:
         reports = [None] * world.size
         dist.all_gather_object(reports, report)
     return {"world_size": world.size, "ranks": reports}
+
+
+def deliver(folder: Path, path: str) -> float:
+    """Seconds an engine process takes to hold every tensor of `folder` in its memory, by
+    `path` (volume: it reads the files; broadcast: rank 0's WeightServer sends them)."""
+    from kubestar.engine.weight_sync import WeightServer
+
+    command = [sys.executable, str(Path(__file__).resolve()), "--receive", path]
+    if path == "volume":
+        return _engine_seconds([*command, str(folder)])
+    with WeightServer("127.0.0.1") as server:
+        server.publish(folder, 1)
+        return _engine_seconds([*command, server.source])
+
+
+def _engine_seconds(command: list[str]) -> float:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800, check=True)
+    return float(done.stdout.split()[-1])
+
+
+def receive_main(path: str, where: str) -> None:
+    """An engine's end of `deliver`: prints the seconds from its request until it holds
+    every tensor (the imports excluded)."""
+    import torch
+    from kubestar.engine.weight_sync import new_session, receive
+    from safetensors.torch import load_file
+
+    started = time.perf_counter()
+    held = 0
+    if path == "volume":
+        for file in sorted(Path(where).glob("*.safetensors")):
+            held += sum(t.clone().numel() for t in load_file(str(file)).values())
+    else:
+        _, tensors = receive(where, new_session(), 0, 1, 1, 0, 1, torch.device("cpu"))
+        held = sum(t.clone().numel() for _, t in tensors)
+    assert held > 0
+    print(f"{time.perf_counter() - started:.4f}")
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -288,12 +332,15 @@ def print_worlds(results: list[dict[str, Any]]) -> None:
     print(
         "\n| world | threads/rank | tokens/s | vs 1 | step s | peak RSS/rank MB (load / train) "
         "| vs 1 (train) | RSS after steps MB | vs 1 | push s/GB | push files, max held MB "
-        "| checkpoint s, MB/rank |"
+        "| to an engine s/GB: volume / broadcast (broadcast vs volume) "
+        "| push + delivery s/GB: volume / broadcast | checkpoint s, MB/rank |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for result in results:
         rank0 = result["ranks"][0]
         per_gb = rank0["push_seconds"] / (rank0["push_bytes"] / GB)
+        volume = rank0["deliver_volume_seconds"] / (rank0["push_bytes"] / GB)
+        broadcast = rank0["deliver_broadcast_seconds"] / (rank0["push_bytes"] / GB)
         print(
             f"| {result['world_size']} | {result['threads_per_rank']} "
             f"| {tokens_per_s(result):.0f} | x{tokens_per_s(result) / tokens_per_s(base):.2f} "
@@ -304,6 +351,8 @@ def print_worlds(results: list[dict[str, Any]]) -> None:
             f"| {worst(result, 'rss_after_steps') / MB:.0f} "
             f"| x{worst(result, 'rss_after_steps') / worst(base, 'rss_after_steps'):.2f} "
             f"| {per_gb:.2f} | {rank0['push_files']}, {rank0['push_max_bucket'] / MB:.0f} "
+            f"| {volume:.2f} / {broadcast:.2f} (x{broadcast / volume:.2f}) "
+            f"| {per_gb + volume:.2f} / {per_gb + broadcast:.2f} "
             f"| {rank0['checkpoint_seconds']:.1f}, "
             f"{worst(result, 'checkpoint_rank_bytes') / MB:.0f} |"
         )
@@ -343,12 +392,16 @@ def main() -> int:
     parser.add_argument("--gpu-gb", type=float, default=192.0, help="memory of one GPU, GB")
     parser.add_argument("--arithmetic-only", action="store_true")
     parser.add_argument("--json", type=Path, help="also write the figures here")
-    # A rank of one world (started by this script).
+    # A rank of one world (started by this script), or an engine of `deliver`.
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--receive", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--scratch", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.receive:
+        receive_main(*args.receive)
+        return 0
     if args.rank:
         rank_main(args)
         return 0

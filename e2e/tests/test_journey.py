@@ -795,6 +795,16 @@ def test_run_succeeds_with_step_metrics_and_checkpoint(tools: Tools, settings: S
     settings.notes["activities"] = sorted(set(activities) - {""})
     assert any(a.startswith("rolling out step") for a in activities), activities
     assert any(a.startswith("pushing weights") for a in activities), activities
+    # The weights reached the engine by broadcast from the trainer's weight server: the
+    # fleet's engines mount nothing of the trainers' (the chart has a shared volume).
+    fleet_status = (tools.get("rolloutfleet", FLEET, settings.namespace) or {}).get("status", {})
+    assert (fleet_status.get("weights") or {}).get("path", "").startswith("broadcast://"), (
+        fleet_status
+    )
+    engines = tools.kubectl_json("get", "deployment", f"{FLEET}-engine", "-n", settings.namespace)
+    mounted = [v["name"] for v in engines["spec"]["template"]["spec"]["volumes"]]
+    assert "checkpoints" not in mounted, mounted
+    settings.notes["weights_source"] = fleet_status["weights"]["path"]
 
     # The new operator (after the kill) sees the trainer Job complete (the trainer reports
     # Succeeded itself, just before its pod exits).

@@ -163,11 +163,15 @@ def test_vllm_applies_the_middleware_to_every_path(
 
 
 def test_launch_passes_the_middleware_only_with_a_token_file() -> None:
+    def middleware(command: list[str]) -> list[str]:
+        return [command[i + 1] for i, arg in enumerate(command) if arg == "--middleware"]
+
+    weights = "kubestar.engine.weight_sync.WeightRoutes"
     plain = EngineSettings(model="m")
-    assert "--middleware" not in plain.command()
+    assert middleware(plain.command()) == [weights]
     guarded = EngineSettings(model="m", auth_token_file="/var/run/secrets/kubestar/auth/token")
-    command = guarded.command()
-    assert command[command.index("--middleware") + 1] == AUTH_MIDDLEWARE
+    # Last, so outermost: the token is checked before the weights route.
+    assert middleware(guarded.command()) == [weights, AUTH_MIDDLEWARE]
     assert guarded.environment()[ENV_TOKEN_FILE] == "/var/run/secrets/kubestar/auth/token"
 
 
@@ -175,7 +179,7 @@ async def test_the_engine_client_sends_the_token() -> None:
     async with FakeEngine(token=TOKEN) as engine:
         client = EngineClient(engine.url, timeout=10, token=TOKEN)
         try:
-            await client.reload_weights("/weights/step-1")
+            await client.load_weights("/weights/step-1")
             assert (await client.complete([1, 2, 3], 2)).token_ids
         finally:
             await client.close()
@@ -183,7 +187,7 @@ async def test_the_engine_client_sends_the_token() -> None:
         anonymous = EngineClient(engine.url, timeout=10, token="")
         try:
             with pytest.raises(EngineError) as error:
-                await anonymous.reload_weights("/weights/step-2")
+                await anonymous.load_weights("/weights/step-2")
             assert error.value.status == 401
             assert await anonymous.healthy()
         finally:

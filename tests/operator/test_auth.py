@@ -106,7 +106,7 @@ def test_a_cpu_fleet_passes_the_flag_to_engine_and_scheduler() -> None:
     spec = RolloutFleetSpec.model_validate({"engine": {"extraArgs": ["--disable-log-stats"]}})
     children = by_kind(build_fleet.children(fleet, spec, with_token()))
     assert_secret(children["Secret/fleet-fleet-auth"], "fleet-fleet-auth", "fleet")
-    assert "ConfigMap/fleet-engine-auth" not in children  # kubestar's engine image has it
+    assert "ConfigMap/fleet-engine-modules" not in children  # kubestar's engine image has them
     engines = children["Deployment/fleet-engine"]
     assert_mounted(engines, "fleet-fleet-auth", flagged=True)
     command = pod_of(engines)["containers"][0]["command"]
@@ -118,7 +118,7 @@ def test_a_cpu_fleet_passes_the_flag_to_engine_and_scheduler() -> None:
 
 
 @pytest.mark.parametrize("accelerator", ["nvidia", "amd"])
-def test_gpu_engines_load_a_copy_of_the_middleware(accelerator: str) -> None:
+def test_gpu_engines_load_copies_of_the_middleware_and_the_weights_route(accelerator: str) -> None:
     fleet = parent("RolloutFleet", "fleet")
     spec = RolloutFleetSpec.model_validate({"accelerator": accelerator})
     children = by_kind(build_fleet.children(fleet, spec, with_token()))
@@ -127,29 +127,42 @@ def test_gpu_engines_load_a_copy_of_the_middleware(accelerator: str) -> None:
     (container,) = pod_of(engines)["containers"]
     command = container["command"]
     assert command[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
-    assert command[command.index("--middleware") + 1] == (
-        "kubestar_engine_auth.BearerTokenMiddleware"
-    )
-    env = {e["name"]: e["value"] for e in container["env"]}
-    assert env["PYTHONPATH"] == build_fleet.ENGINE_AUTH_DIR
-    mount = {"name": "engine-auth", "mountPath": build_fleet.ENGINE_AUTH_DIR, "readOnly": True}
-    assert mount in container["volumeMounts"]
-    config = children["ConfigMap/fleet-engine-auth"]
-    assert {"name": "engine-auth", "configMap": {"name": "fleet-engine-auth"}} in pod_of(engines)[
-        "volumes"
+    middleware = [command[i + 1] for i, arg in enumerate(command) if arg == "--middleware"]
+    # The token is checked first: vLLM makes the last middleware the outermost.
+    assert middleware == [
+        "kubestar_weight_sync.WeightRoutes",
+        "kubestar_engine_auth.BearerTokenMiddleware",
     ]
-    (filename,) = config["data"]
-    assert filename == "kubestar_engine_auth.py"
-    assert "class BearerTokenMiddleware" in config["data"][filename]
+    extension = command[command.index("--worker-extension-cls") + 1]
+    assert extension == "kubestar_weight_sync.WeightSyncExtension"
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["PYTHONPATH"] == build_fleet.ENGINE_MODULES_DIR
+    assert "VLLM_SERVER_DEV_MODE" not in env
+    mount = {
+        "name": "engine-modules",
+        "mountPath": build_fleet.ENGINE_MODULES_DIR,
+        "readOnly": True,
+    }
+    assert mount in container["volumeMounts"]
+    config = children["ConfigMap/fleet-engine-modules"]
+    volume = {"name": "engine-modules", "configMap": {"name": "fleet-engine-modules"}}
+    assert volume in pod_of(engines)["volumes"]
+    assert sorted(config["data"]) == ["kubestar_engine_auth.py", "kubestar_weight_sync.py"]
+    assert "class BearerTokenMiddleware" in config["data"]["kubestar_engine_auth.py"]
+    assert "class WeightSyncExtension" in config["data"]["kubestar_weight_sync.py"]
 
 
-def test_the_middleware_copy_imports_with_the_standard_library_alone(tmp_path: Path) -> None:
+def test_the_engine_module_copies_import_with_the_standard_library_alone(tmp_path: Path) -> None:
     """What a vLLM image without kubestar does with the ConfigMap's module."""
-    config = build_fleet.engine_auth_config(parent("RolloutFleet", "fleet"))
+    config = build_fleet.engine_modules_config(parent("RolloutFleet", "fleet"))
     for filename, source in config["data"].items():
         (tmp_path / filename).write_text(source)
     (tmp_path / "token").write_text(TOKEN)
-    probe = "import kubestar_engine_auth as m; m.BearerTokenMiddleware(lambda *a: None)"
+    # The weights module imports torch where it is used, not to be imported.
+    probe = (
+        "import kubestar_engine_auth as m, kubestar_weight_sync as w; "
+        "m.BearerTokenMiddleware(lambda *a: None); w.WeightRoutes(lambda *a: None)"
+    )
     done = subprocess.run(
         [sys.executable, "-S", "-c", probe],  # -S: no site-packages, so no kubestar
         env={"PYTHONPATH": str(tmp_path), ENV_TOKEN_FILE: str(tmp_path / "token")},
@@ -182,7 +195,13 @@ def test_without_a_token_nothing_changes() -> None:
     run = parent("TrainingRun", "run")
     job = build_trainer.job(run, RUN_SPEC, RolloutFleetSpec(), SandboxPoolSpec(), settings)
     everything = json.dumps([*pool, *fleet, job])
-    for word in ("Secret", o.AUTH_VOLUME, "--auth-token-file", ENV_TOKEN_FILE, "engine-auth"):
+    for word in (
+        "Secret",
+        o.AUTH_VOLUME,
+        "--auth-token-file",
+        ENV_TOKEN_FILE,
+        "kubestar_engine_auth.",
+    ):
         assert word not in everything
     assert build_trainer.auth(run, settings) == []
 

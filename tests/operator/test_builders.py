@@ -224,9 +224,17 @@ def test_network_policies_close_every_plane() -> None:
         peer.get("namespaceSelector") for peer in callers
     ]
 
-    run = _policies(build_trainer.network_policies(parent("TrainingRun", "r"), settings))
-    (only_own,) = run["r-trainer"]["ingress"][0]["from"]
+    run_spec = tiny_run()[1]
+    run = _policies(build_trainer.network_policies(parent("TrainingRun", "r"), run_spec, settings))
+    own, engines = run["r-trainer"]["ingress"]
+    (only_own,) = own["from"]
     assert only_own["podSelector"]["matchLabels"][o.LABEL_INSTANCE] == "r"
+    # The fleet's engines, on the weights port only: they receive the broadcast weights.
+    (fleet_engines,) = engines["from"]
+    assert fleet_engines["podSelector"]["matchLabels"] == build_fleet.engine_selector(
+        run_spec.rollout_fleet_ref.name
+    )
+    assert engines["ports"] == o.tcp_ports(settings.ports.trainer_weights)
 
     # Off, or on the host's network (where policies do not apply): none.
     for values in ({"networkPolicies": {"enabled": False}}, {"network": {"hostNetwork": True}}):
@@ -237,7 +245,7 @@ def test_network_policies_close_every_plane() -> None:
         assert not _policies(
             build_fleet.children(parent("RolloutFleet", "f"), RolloutFleetSpec(), other)
         )
-        assert not build_trainer.network_policies(parent("TrainingRun", "r"), other)
+        assert not build_trainer.network_policies(parent("TrainingRun", "r"), run_spec, other)
 
 
 def test_host_network_is_a_setting() -> None:
@@ -281,7 +289,7 @@ def test_engines_by_accelerator(accelerator: str, resource: str | None, image: s
     command = engine["command"]
     assert command[command.index("--max-model-len") + 1] == "8192"
     env = {e["name"]: e["value"] for e in engine["env"]}
-    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert "VLLM_SERVER_DEV_MODE" not in env  # weights come through kubestar's route
     if resource:
         assert engine["resources"]["limits"] == {resource: "2"}
         assert command[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
@@ -635,9 +643,11 @@ def test_children_listen_on_the_bind_address() -> None:
     assert _flag(containers(dispatcher)[0]["command"], "--listen") == "[::1]:50051"
 
 
-def test_shared_checkpoints_reach_the_engines() -> None:
+def test_shared_checkpoints_reach_the_engines_of_a_volume_fleet() -> None:
     body, spec, fleet_spec, pool_spec = tiny_run()
     fleet = parent("RolloutFleet", "tiny-fleet")
+    broadcast = fleet_spec
+    fleet_spec = fleet_spec.model_copy(update={"weight_sync": "volume"})
     # Without a shared volume: the run's own claim; engines mount nothing of it.
     job = build_trainer.job(body, spec, fleet_spec, pool_spec, OperatorSettings())
     volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
@@ -685,6 +695,15 @@ def test_shared_checkpoints_reach_the_engines() -> None:
     }
     assert {v["name"]: v for v in engine_pod["volumes"]}["checkpoints"]["hostPath"]["path"] == (
         "/srv/kubestar"
+    )
+    # Weights broadcast: the engines mount nothing of the trainers', shared volume or not.
+    engine_pod = build_fleet.engine_deployment(fleet, broadcast, settings)["spec"]["template"]
+    assert "checkpoints" not in {v["name"] for v in engine_pod["spec"]["volumes"]}
+    assert build_fleet.spec_problem(fleet_spec, settings) is None
+    assert build_fleet.spec_problem(fleet_spec, OperatorSettings()) == (
+        "spec.weightSync is volume, but this installation has no shared checkpoint volume "
+        "for the engines to read the trainers' weights from: set spec.weightSync to "
+        "broadcast, or the chart's trainer.sharedCheckpoints"
     )
 
     # A ReadWriteMany claim instead; engines mount it read-only.

@@ -240,7 +240,7 @@ def test_fleet_status_reports_engines_and_kv_capacity() -> None:
         "kvUsage": 0.25,
     }
     # The scheduler took one out (its reload hung): named, and the fleet still serves.
-    stuck = "reloading weights v3 from /w did not finish in 600 s"
+    stuck = "loading weights v3 from /w did not finish in 600 s"
     probes = {"f-engine-0": EngineProbe(4096, 0.25), "f-engine-1": EngineProbe(8192, 0.0, stuck)}
     status, ready = fleet_status(
         body,

@@ -530,7 +530,7 @@ class Effects:
             # build_trainer.config_map is left out: it is the whole spec.
             "rbac": build_trainer.rbac(run),
             "auth": build_trainer.auth(run, SETTINGS),
-            "networkPolicies": build_trainer.network_policies(run, SETTINGS),
+            "networkPolicies": build_trainer.network_policies(run, spec, SETTINGS),
             "checkpointClaim": build_trainer.checkpoint_claim(run, spec, SETTINGS),
             "worldSize": build_trainer.world_size(spec),
         }

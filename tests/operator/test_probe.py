@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 from kubestar.common.net import free_port
+from kubestar.engine.weight_sync import ROUTE
 from kubestar.operator.main import scheduler_probe, scheduler_restore
 
 METRICS = """# TYPE vllm:cache_config_info gauge
@@ -37,16 +38,12 @@ async def models(_: web.Request) -> web.Response:
     return web.json_response({"data": [{"id": "policy", "max_model_len": 1024}]})
 
 
-async def ok(_: web.Request) -> web.Response:
-    return web.json_response({})
-
-
 RELOADS: list[str] = []
 
 
 async def reload(request: web.Request) -> web.Response:
-    RELOADS.append((await request.json())["kwargs"]["weights_path"])
-    return web.json_response({"results": [None]})
+    RELOADS.append((await request.json())["path"])
+    return web.json_response({"bytes": 0, "seconds": 0.0})
 
 
 @pytest.fixture
@@ -56,9 +53,7 @@ async def engine() -> AsyncIterator[str]:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
-    for path in ("/pause", "/resume", "/reset_prefix_cache"):
-        app.router.add_post(path, ok)
-    app.router.add_post("/collective_rpc", reload)
+    app.router.add_post(ROUTE, reload)
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()

@@ -11,6 +11,7 @@ EngineSettings.environment() always sets), so it cannot make the cache small.
 
 from __future__ import annotations
 
+import json
 import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ from kubestar.common.net import free_port
 from kubestar.engine import launch
 from kubestar.engine.client import EngineClient
 from kubestar.engine.launch import EngineProcess, EngineSettings
+from kubestar.engine.weight_sync import ROUTE
 
 from tests.real_parts import engine_python, tiny_model
 
@@ -69,13 +71,17 @@ async def scrape(url: str) -> str:
 
 def as_found(engines: Sequence[EngineProcess]) -> Sequence[EngineProcess]:
     """Engines shared between modules, handed on as a fresh start would leave them: any that
-    an earlier test killed is started again, and every prefix cache is emptied (so that which
-    engine holds a prefix is decided by this module's turns alone)."""
+    an earlier test killed is started again, and every engine loads its model's own weights
+    again, which also empties its prefix cache (so that which engine holds a prefix is
+    decided by this module's turns alone)."""
     for engine in engines:
         if engine.process is None or engine.process.poll() is not None:
             engine.stop()
             engine.start(timeout=300)
-        request = urllib.request.Request(f"{engine.url}/reset_prefix_cache", method="POST")
-        with urllib.request.urlopen(request, timeout=30) as response:
-            assert response.status == 200, f"{engine.url}: reset_prefix_cache {response.status}"
+        body = json.dumps({"path": engine.settings.model}).encode()
+        request = urllib.request.Request(
+            f"{engine.url}{ROUTE}", body, {"Content-Type": "application/json"}, method="POST"
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            assert response.status == 200, f"{engine.url}: {ROUTE} {response.status}"
     return engines

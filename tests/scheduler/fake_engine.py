@@ -20,6 +20,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
+from kubestar.engine.weight_sync import ROUTE
 
 
 @dataclass(eq=False)
@@ -92,10 +93,7 @@ class FakeEngine:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
-        app.router.add_post("/pause", self._pause)
-        app.router.add_post("/resume", self._resume)
-        app.router.add_post("/collective_rpc", self._collective_rpc)
-        app.router.add_post("/reset_prefix_cache", self._ok)
+        app.router.add_post(ROUTE, self._load_weights)
         # Like vLLM, abort a request whose client went away.
         self._runner = web.AppRunner(
             app, handle_signals=False, access_log=None, handler_cancellation=True
@@ -269,24 +267,13 @@ class FakeEngine:
     async def _models(self, request: web.Request) -> web.StreamResponse:
         return web.json_response({"data": [{"id": "policy", "max_model_len": self.max_model_len}]})
 
-    async def _pause(self, request: web.Request) -> web.StreamResponse:
-        self.paused = True
-        return web.json_response({})
-
-    async def _resume(self, request: web.Request) -> web.StreamResponse:
-        self.paused = False
-        return web.json_response({})
-
-    async def _collective_rpc(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        path = body["kwargs"]["weights_path"]
+    async def _load_weights(self, request: web.Request) -> web.StreamResponse:
+        """kubestar's weights route (kubestar.engine.weight_sync), from a folder."""
+        path = (await request.json())["path"]
         if path.endswith("missing"):
-            return web.json_response({"error": {"message": "no such folder"}}, status=500)
+            return web.json_response({"error": "no such folder"}, status=500)
         if self.reload_delay:
             await asyncio.sleep(self.reload_delay)
         self.weights = path
         self.reloads.append(path)
-        return web.json_response({"results": [None]})
-
-    async def _ok(self, request: web.Request) -> web.StreamResponse:
-        return web.json_response({})
+        return web.json_response({"bytes": 0, "seconds": self.reload_delay})

@@ -213,7 +213,7 @@ async def test_an_engine_whose_reload_hangs_is_taken_out_and_named(
     assert (status.weights_version, status.weights_path) == (1, "/weights/step-1")
     stuck = status.engines[1]
     assert not stuck.healthy
-    assert stuck.error == "reloading weights v1 from /weights/step-1 did not finish in 0.5 s"
+    assert stuck.error == "loading weights v1 from /weights/step-1 did not finish in 0.5 s"
     assert {r.engine for r in await batch(scheduler, 4)} == {"e0"}
     # Unstuck, it loads the current weights before its first turn and takes turns again.
     fakes[1].reload_delay = 0.0

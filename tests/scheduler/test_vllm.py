@@ -18,6 +18,7 @@ import grpc
 import pytest
 from kubestar.engine.client import EngineClient
 from kubestar.engine.launch import EngineProcess
+from kubestar.engine.weight_sync import WeightServer
 from kubestar.scheduler.client import SchedulerClient
 from kubestar.scheduler.config import SchedulerConfig
 from kubestar.scheduler.core import parse_vllm_metrics
@@ -235,6 +236,39 @@ async def test_update_weights_changes_what_the_engines_generate(
     assert other.token_ids == after.token_ids  # both engines have the new weights
     assert again.weights_version == 2 and again.token_ids == before.token_ids
     assert status.weights_version == 2
+
+
+async def test_weights_broadcast_by_the_trainer_reach_the_engines_and_a_late_one(
+    engines: Sequence[EngineProcess], model: Path, tmp_path: Path
+) -> None:
+    """No folder the engines read: the trainer's WeightServer broadcasts a perturbed copy
+    over gloo into e0's memory; e1 joins afterwards and gets the same weights in a session
+    of its own before the scheduler admits it."""
+    perturbed = perturbed_copy(model, tmp_path / "perturbed")
+    greedy = {"temperature": 0.0}
+    late = EngineClient(engines[1].url)
+    with WeightServer("127.0.0.1") as weights:
+        weights.publish(perturbed, 1)
+        async with scheduler(engines[:1]) as (server, client):
+            before = await client.generate("b", prompt(3), 24, greedy)
+            update = await client.update_weights(weights.source, 1)
+            after = await client.generate("b", prompt(3), 24, greedy)
+            base = await late.complete(prompt(3), 24, temperature=0.0)
+            await server.scheduler.add_engine("late", engines[1].url)
+            (joined,) = [e for e in server.scheduler.engines() if e.name == "late"]
+            served = weights.sessions_served
+            from_late = await late.complete(prompt(3), 24, temperature=0.0)
+            status = await client.status()
+        # Both engines back to the model's own weights, from its folder, for the next tests.
+        async with scheduler(engines) as (_, client):
+            await client.update_weights(str(model), 2)
+    await late.close()
+    print(f"\n[vllm] broadcast: {update.seconds:.2f}s on {list(update.engines)}")
+    assert list(update.engines) == ["e0"] and status.weights_path == weights.source
+    assert after.weights_version == 1 and after.token_ids != before.token_ids
+    assert base.token_ids == before.token_ids  # e1 served the model's weights until it joined
+    assert joined.weights_version == 1 and served == 2  # the push, then the late engine's own
+    assert from_late.token_ids == after.token_ids
 
 
 async def test_engine_killed_mid_batch_turns_finish_on_the_other(

@@ -238,7 +238,7 @@ async def test_vllm_loads_a_bucketed_folder_as_it_loads_one_file(
     prompt = list(range(100, 140))
 
     async def greedy(folder: Path) -> list[int]:
-        await client.reload_weights(str(folder))
+        await client.load_weights(str(folder))
         return (await client.complete(prompt, max_tokens=24, temperature=0.0)).token_ids
 
     try:

@@ -314,11 +314,11 @@ class FirstReloadHangs(FakeEngine):
         super().__init__()
         self.reloading = asyncio.Event()
 
-    async def _collective_rpc(self, request: web.Request) -> web.StreamResponse:
+    async def _load_weights(self, request: web.Request) -> web.StreamResponse:
         if not self.reloading.is_set():
             self.reloading.set()
             await asyncio.Event().wait()  # cancelled when the scheduler lets go of it
-        return await super()._collective_rpc(request)
+        return await super()._load_weights(request)
 
 
 async def test_a_push_the_scheduler_stopped_in_the_middle_is_tried_again() -> None:

@@ -132,6 +132,11 @@ def test_a_run_stopped_then_crashed_does_every_step_once(tmp_path: Path) -> None
     assert [m["oldest_weights_version"] for m in steps] == [0, 1, 2, 3, 4]
     # Each step's weights were pushed at the first try, and never again (no scheduler lost them).
     assert [(m["weights_push_attempts"], m["weights_pushed_again"]) for m in steps] == [(1, 0)] * 5
+    # Broadcast by the trainer's weight server (the fleet's default weightSync), a new
+    # server after each restart, the resumed checkpoint's weights first.
+    log = (tmp_path / "run" / "logs" / "scheduler.log").read_text()
+    updates = [json.loads(line) for line in log.splitlines() if '"weights updated"' in line]
+    assert updates and all(u["path"].startswith("broadcast://127.0.0.1:") for u in updates)
     status = json.loads((tmp_path / "run" / "status.json").read_text())
     assert status["phase"] == "Succeeded" and status["step"] == 5
     assert status["lastCheckpoint"].endswith("step-000005")

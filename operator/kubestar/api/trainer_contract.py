@@ -87,6 +87,10 @@ ENV_WORKERS = "KUBESTAR_TRAINER_WORKERS"
 ENV_WORKER_INDEX = "KUBESTAR_TRAINER_WORKER_INDEX"
 ENV_PROCESSES = "KUBESTAR_TRAINER_PROCESSES"
 ENV_RENDEZVOUS = "KUBESTAR_TRAINER_RENDEZVOUS"
+# The fleet's spec.weightSync, and where rank 0's WeightServer listens (HOST:PORT; an empty
+# HOST is the pod's address: the trainer's on the route to its scheduler).
+ENV_WEIGHT_SYNC = "KUBESTAR_WEIGHT_SYNC"
+ENV_WEIGHTS_LISTEN = "KUBESTAR_WEIGHTS_LISTEN"
 
 # Where the trainer container writes its termination message (the kubelet's default path).
 TERMINATION_LOG = "/dev/termination-log"
@@ -126,6 +130,8 @@ class TrainerEnvironment:
     worker_index: int = 0
     processes: int = 1
     rendezvous: str = ""  # HOST:PORT; empty with one process in all
+    weight_sync: str = "broadcast"
+    weights_listen: str = "127.0.0.1:0"  # an empty HOST: the pod's address
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> TrainerEnvironment:
@@ -143,6 +149,8 @@ class TrainerEnvironment:
             worker_index=int(values.get(ENV_WORKER_INDEX, "0")),
             processes=int(values.get(ENV_PROCESSES, "1")),
             rendezvous=values.get(ENV_RENDEZVOUS, ""),
+            weight_sync=values.get(ENV_WEIGHT_SYNC, "broadcast"),
+            weights_listen=values.get(ENV_WEIGHTS_LISTEN, "127.0.0.1:0"),
         )
 
 

@@ -350,6 +350,14 @@ class RolloutFleetSpec(Spec):
         description="Compute resources of each engine pod. The accelerator's GPU resource is "
         "added with engine.tensorParallelSize when limits do not name it.",
     )
+    weight_sync: Literal["broadcast", "volume"] = Field(
+        "broadcast",
+        description="How the engines get a trainer's new weights after each step. broadcast: "
+        "the trainer sends them in bf16 buckets over a process group it makes with the "
+        "engines (NCCL between GPUs, else gloo), straight into their memory; nothing is "
+        "shared but the network. volume: the engines read the folder the trainer writes on "
+        "the chart's shared checkpoint volume (trainer.sharedCheckpoints), which they mount.",
+    )
 
 
 # --- TrainingRun -------------------------------------------------------------------------

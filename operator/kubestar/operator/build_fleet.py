@@ -5,8 +5,11 @@ discovers the ready engines by label selector).
 Engines by accelerator: `amd` runs vLLM's ROCm image and asks for `amd.com/gpu`, `nvidia`
 vLLM's CUDA image and `nvidia.com/gpu` (tensorParallelSize GPUs per engine, tolerating the
 usual GPU taints), `cpu` kubestar's engine image (vLLM's CPU build) through
-`kubestar engine serve`. GPU images run vLLM's OpenAI server directly, with its development
-endpoints on (VLLM_SERVER_DEV_MODE=1) since the trainer pushes weights through them.
+`kubestar engine serve`. GPU images run vLLM's OpenAI server directly, with kubestar's
+weights route and worker extension (kubestar.engine.weight_sync) imported from a copy in a
+ConfigMap, since those images lack kubestar. With spec.weightSync volume the engines mount the
+chart's shared checkpoint volume, where the trainers write their weights; with broadcast they
+mount nothing of the trainers'.
 
 With the installation's token (settings.auth) the fleet gets a copy of it (a Secret) that its
 engines and scheduler mount: the scheduler requires it of its callers and sends it to the
@@ -27,9 +30,10 @@ from kubestar.operator.settings import OperatorSettings
 ENGINE = "engine"
 SCHEDULER = "scheduler"
 GPU_RESOURCE = {"amd": "amd.com/gpu", "nvidia": "nvidia.com/gpu"}
-# GPU engines load the auth middleware from a ConfigMap: the module's name there, its folder.
+# GPU engines import kubestar's engine modules from a ConfigMap: their names there, its folder.
 ENGINE_AUTH_MODULE = "kubestar_engine_auth"
-ENGINE_AUTH_DIR = "/etc/kubestar/engine-auth"
+ENGINE_WEIGHT_SYNC_MODULE = "kubestar_weight_sync"
+ENGINE_MODULES_DIR = "/etc/kubestar/engine-modules"
 
 
 def auth_name(fleet: str) -> str:
@@ -37,8 +41,8 @@ def auth_name(fleet: str) -> str:
     return o.child_name(fleet, "fleet-auth")
 
 
-def engine_auth_name(fleet: str) -> str:
-    return o.child_name(fleet, "engine-auth")
+def engine_modules_name(fleet: str) -> str:
+    return o.child_name(fleet, "engine-modules")
 
 
 def engine_name(fleet: str) -> str:
@@ -91,7 +95,7 @@ def engine_command(
 ) -> list[str]:
     """`auth_token_file`: the engine requires the token in that file (a CPU engine through
     `kubestar engine serve --auth-token-file`, a GPU image through vLLM's --middleware and
-    the copy of the middleware's module in engine_auth_config)."""
+    the copy of the middleware's module in engine_modules_config)."""
     engine = spec.engine
     if spec.accelerator == "cpu":
         command = [
@@ -130,13 +134,13 @@ def engine_command(
         python="python3",
         auth_token_file=auth_token_file,
         auth_middleware=f"{ENGINE_AUTH_MODULE}.BearerTokenMiddleware",
+        weight_sync_module=ENGINE_WEIGHT_SYNC_MODULE,
     )
     return settings.command()
 
 
 def engine_env(spec: RolloutFleetSpec) -> dict[str, str]:
     env = {
-        "VLLM_SERVER_DEV_MODE": "1",
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
@@ -233,7 +237,7 @@ def engine_deployment(
     if spec.model.pvc_claim_name:
         o.mount_model(container, volumes, spec.model)
     shared = settings.trainer.shared_checkpoints
-    if shared.enabled:
+    if spec.weight_sync == "volume" and shared.enabled:
         # The weights each trainer pushes are read from the trainer's checkpoint volume, at
         # the path the trainer wrote them to.
         container["volumeMounts"].append(
@@ -269,13 +273,13 @@ def engine_deployment(
     if gpu:
         pod["tolerations"] = [{"key": gpu, "operator": "Exists", "effect": "NoSchedule"}]
     _network(pod, settings)
-    if settings.auth.token and spec.accelerator != "cpu":
-        # vLLM's own images lack kubestar: the middleware comes from a copy of its module.
-        container["env"].append({"name": "PYTHONPATH", "value": ENGINE_AUTH_DIR})
+    if spec.accelerator != "cpu":
+        # vLLM's own images lack kubestar: its engine modules come from copies.
+        container["env"].append({"name": "PYTHONPATH", "value": ENGINE_MODULES_DIR})
         container["volumeMounts"].append(
-            {"name": "engine-auth", "mountPath": ENGINE_AUTH_DIR, "readOnly": True}
+            {"name": "engine-modules", "mountPath": ENGINE_MODULES_DIR, "readOnly": True}
         )
-        volumes.append({"name": "engine-auth", "configMap": {"name": engine_auth_name(name)}})
+        volumes.append({"name": "engine-modules", "configMap": {"name": engine_modules_name(name)}})
     engines = o.with_hash(
         {
             "apiVersion": "apps/v1",
@@ -302,19 +306,38 @@ def engine_deployment(
     return o.with_auth(engines, auth_name(name), settings.auth.token, flag=False)
 
 
-def engine_auth_config(fleet: Mapping[str, Any]) -> o.Obj:
-    """The engines' auth middleware (kubestar.engine.auth_middleware, standard library
-    only) as a module GPU engines import (their images have vLLM but not kubestar)."""
+def engine_modules_config(fleet: Mapping[str, Any], auth: bool = True) -> o.Obj:
+    """kubestar's engine modules as GPU engines import them (their images have vLLM but not
+    kubestar): the weights route and worker extension (kubestar.engine.weight_sync, which
+    imports torch where it uses it) and, with `auth`, the auth middleware
+    (kubestar.engine.auth_middleware, standard library only)."""
     name = fleet["metadata"]["name"]
-    source = resources.files("kubestar.engine").joinpath("auth_middleware.py").read_text()
+    package = resources.files("kubestar.engine")
+    data = {f"{ENGINE_WEIGHT_SYNC_MODULE}.py": package.joinpath("weight_sync.py").read_text()}
+    if auth:
+        data[f"{ENGINE_AUTH_MODULE}.py"] = package.joinpath("auth_middleware.py").read_text()
     return o.with_hash(
         {
             "apiVersion": "v1",
             "kind": "ConfigMap",
-            "metadata": o.metadata(fleet, engine_auth_name(name), ENGINE),
-            "data": {f"{ENGINE_AUTH_MODULE}.py": source},
+            "metadata": o.metadata(fleet, engine_modules_name(name), ENGINE),
+            "data": data,
         }
     )
+
+
+def spec_problem(spec: RolloutFleetSpec, settings: OperatorSettings) -> str | None:
+    """Why this installation cannot run the fleet as written, or None."""
+    refused = settings.policy.refusal("spec.engine.image", image=spec.engine.image)
+    if refused:
+        return refused
+    if spec.weight_sync == "volume" and not settings.trainer.shared_checkpoints.enabled:
+        return (
+            "spec.weightSync is volume, but this installation has no shared checkpoint volume "
+            "for the engines to read the trainers' weights from: set spec.weightSync to "
+            "broadcast, or the chart's trainer.sharedCheckpoints"
+        )
+    return None
 
 
 def scheduler_service_account(fleet: Mapping[str, Any]) -> o.Obj:
@@ -557,11 +580,11 @@ def children(
     auth: list[o.Obj] = []
     if token:
         auth.append(o.auth_secret(fleet, auth_name(fleet["metadata"]["name"]), "fleet", token))
-        if spec.accelerator != "cpu":
-            auth.append(engine_auth_config(fleet))
+    modules = [engine_modules_config(fleet, bool(token))] if spec.accelerator != "cpu" else []
     return [
         *policies,
         *auth,
+        *modules,
         engine_deployment(fleet, spec, settings),
         scheduler_service_account(fleet),
         scheduler_role(fleet),

@@ -246,6 +246,8 @@ def trainer_env(
         c.ENV_WORKER_INDEX: str(worker),
         c.ENV_PROCESSES: str(spec.trainer.processes_per_worker),
         c.ENV_RENDEZVOUS: rendezvous_address(run, settings) if world_size(spec) > 1 else "",
+        c.ENV_WEIGHT_SYNC: fleet.weight_sync,
+        c.ENV_WEIGHTS_LISTEN: weights_listen(settings),
         "PYTHONUNBUFFERED": "1",
         "HOME": "/tmp",
     }
@@ -368,6 +370,17 @@ def rendezvous_address(run: Mapping[str, Any], settings: OperatorSettings) -> st
     return f"{host}:{settings.ports.trainer_rendezvous}"
 
 
+def weights_listen(settings: OperatorSettings) -> str:
+    """Where worker 0's WeightServer listens: the pod's address (the trainer's on the route
+    to its scheduler) on trainer_weights; the loopback, or any free port, where pods share
+    the host's network (the trainer tells the scheduler the address it got)."""
+    if settings.network.loopback_only:
+        return "127.0.0.1:0"
+    if settings.network.host_network:
+        return ":0"
+    return f":{settings.ports.trainer_weights}"
+
+
 def rendezvous_pod_address(pods: Sequence[Mapping[str, Any]]) -> str:
     """Worker 0's pod address (status.rendezvousAddress), once it has one; "" before."""
     for pod in pods:
@@ -471,19 +484,23 @@ def jobs(
     return [job(run, spec, fleet, pool, settings, w, server_version) for w in workers]
 
 
-def network_policies(run: Mapping[str, Any], settings: OperatorSettings) -> list[o.Obj]:
+def network_policies(
+    run: Mapping[str, Any], spec: TrainingRunSpec, settings: OperatorSettings
+) -> list[o.Obj]:
     """Trainer pods are reached only by the run's other trainer pods (the rendezvous, the
-    collectives, Ray between workers); none when policies are off or pods use the host's
-    network (which policies do not govern)."""
+    collectives, Ray between workers) and, on the weights port, by its fleet's engines (the
+    broadcast of new weights); none when policies are off or pods use the host's network
+    (which policies do not govern)."""
     if not settings.network_policies.enabled or settings.network.host_network:
         return []
     name = run["metadata"]["name"]
     trainers = o.selector_labels("TrainingRun", name, TRAINER)
-    return [
-        o.network_policy(
-            run, trainer_name(name), TRAINER, trainers, ingress=[{"from": [o.pods_of(trainers)]}]
-        )
+    engines = build_fleet.engine_selector(spec.rollout_fleet_ref.name)
+    ingress = [
+        {"from": [o.pods_of(trainers)]},
+        {"from": [o.pods_of(engines)], "ports": o.tcp_ports(settings.ports.trainer_weights)},
     ]
+    return [o.network_policy(run, trainer_name(name), TRAINER, trainers, ingress=ingress)]
 
 
 def rbac(run: Mapping[str, Any]) -> list[o.Obj]:

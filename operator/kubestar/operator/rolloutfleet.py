@@ -160,7 +160,7 @@ async def reconcile(ctx: Context, fleet: dict[str, Any]) -> None:
         )
         await ctx.set_conditions(fleet, [invalid], {"observedGeneration": generation})
         return
-    refused = ctx.settings.policy.refusal("spec.engine.image", image=spec.engine.image)
+    refused = build_fleet.spec_problem(spec, ctx.settings)
     if refused:
         invalid = condition(ConditionType.READY, False, Reason.INVALID_SPEC, refused, generation)
         await ctx.set_conditions(fleet, [invalid], {"observedGeneration": generation})

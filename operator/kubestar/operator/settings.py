@@ -53,6 +53,9 @@ class Ports(_Settings):
     scheduler_metrics: int = 9092
     # Worker 0 of a sharded trainer: torch.distributed's store, where the world meets.
     trainer_rendezvous: int = 29500
+    # Worker 0's WeightServer, which broadcasts each step's weights to the fleet's engines
+    # (spec.weightSync broadcast). With hostNetwork any free port: the trainer says which.
+    trainer_weights: int = 29600
 
 
 class SandboxDefaults(_Settings):

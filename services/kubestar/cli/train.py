@@ -301,7 +301,12 @@ def _train_worker_pod(run: TrainingRun, directory: Path, env: TrainerEnvironment
             _train_rank(run, directory, world, TERMINATION_LOG)
             return
         model_dir = resolve_model(run.spec.model.path or run.spec.model.name)
-        endpoints = Endpoints(scheduler=env.scheduler_endpoint, sandbox=env.sandbox_endpoint)
+        endpoints = Endpoints(
+            scheduler=env.scheduler_endpoint,
+            sandbox=env.sandbox_endpoint,
+            weight_sync=env.weight_sync,
+            weights_listen=env.weights_listen,
+        )
         session = TrainingSession(
             run,
             endpoints,

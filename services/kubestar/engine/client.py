@@ -8,6 +8,7 @@ from typing import Any
 import aiohttp
 from kubestar.common.auth import HEADER, client_token, header_value
 from kubestar.engine.launch import SERVED_MODEL_NAME
+from kubestar.engine.weight_sync import DEFAULT_TIMEOUT, ROUTE
 
 
 class EngineError(RuntimeError):
@@ -185,20 +186,34 @@ class EngineClient:
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
 
-    async def reload_weights(self, weights_path: str) -> None:
-        """Load new weights in place (vLLM's reload_weights through its dev RPC endpoint).
+    async def load_weights(self, weights_path: str) -> int:
+        """Load new weights in place from `weights_path`, a Hugging Face folder the engine
+        can read (its disk or a shared volume), through kubestar's weights route: generation
+        pauses once the requests in flight finish, the prefix cache is dropped, generation
+        resumes. Returns the bytes loaded."""
+        answer = await self._post(ROUTE, {"path": weights_path})
+        return int((answer or {}).get("bytes", 0))
 
-        Generation is paused after running requests finish, the weights are read from
-        `weights_path` (a Hugging Face folder every engine can see: local disk or a shared
-        volume), the prefix cache is dropped (its KV came from the old weights), and
-        generation resumes.
-        """
-        await self._post("/pause", params={"mode": "wait"})
-        try:
-            await self._post(
-                "/collective_rpc",
-                {"method": "reload_weights", "kwargs": {"weights_path": weights_path}},
-            )
-            await self._post("/reset_prefix_cache")
-        finally:
-            await self._post("/resume")
+    async def receive_weights(
+        self,
+        source: str,
+        session: str,
+        engine: int,
+        engines: int,
+        version: int,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> int:
+        """Receive version `version` broadcast by the trainer's WeightServer at `source`
+        (`broadcast://HOST:PORT`), as engine `engine` of the `engines` in `session` (every
+        one of them is asked at once), and load it in place as load_weights does. Returns
+        the bytes received."""
+        body = {
+            "source": source,
+            "session": session,
+            "engine": engine,
+            "engines": engines,
+            "version": version,
+            "timeout": timeout,
+        }
+        answer = await self._post(ROUTE, body)
+        return int((answer or {}).get("bytes", 0))

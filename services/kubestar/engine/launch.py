@@ -1,8 +1,8 @@
 """Start and stop a vLLM OpenAI-compatible server with the settings a RolloutFleet carries.
 
-The engine runs vLLM's own server (`vllm.entrypoints.openai.api_server`) as a child process.
-Its development endpoints are switched on (`VLLM_SERVER_DEV_MODE=1`) because the trainer
-pushes new weights through them (see kubestar.engine.client.EngineClient.reload_weights).
+The engine runs vLLM's own server (`vllm.entrypoints.openai.api_server`) as a child process,
+with kubestar's weights route and worker extension (kubestar.engine.weight_sync: new weights
+from a folder or broadcast by the trainer; vLLM's development endpoints stay off).
 The python that runs vLLM defaults to this one; `KUBESTAR_ENGINE_PYTHON` or
 `EngineSettings.python` may point to another environment that has vLLM installed.
 
@@ -14,7 +14,7 @@ one machine then behave like separate accelerators; without it they share every 
 
 `EngineSettings.auth_token_file` makes the server require the installation's bearer token on
 every path but /health, /ping and /metrics (kubestar.engine.auth_middleware, given to vLLM
-as `--middleware`; vLLM's own --api-key guards only /v1, not the development endpoints).
+as `--middleware`; vLLM's own --api-key guards only /v1, not kubestar's weights route).
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ SERVED_MODEL_NAME = "policy"
 # The ASGI middleware that requires the token (an import path vLLM's --middleware takes).
 AUTH_MIDDLEWARE = "kubestar.engine.auth_middleware.BearerTokenMiddleware"
 AUTH_TOKEN_FILE_ENV = "KUBESTAR_AUTH_TOKEN_FILE"
+# The module of kubestar's weights route and worker extension, as vLLM imports it.
+WEIGHT_SYNC_MODULE = "kubestar.engine.weight_sync"
 PR_SET_PDEATHSIG = 1
 
 
@@ -109,6 +111,9 @@ class EngineSettings:
     # from (another module path where the image lacks kubestar).
     auth_token_file: str = ""
     auth_middleware: str = AUTH_MIDDLEWARE
+    # Where vLLM imports the weights route and worker extension from (another module name
+    # where the image lacks kubestar).
+    weight_sync_module: str = WEIGHT_SYNC_MODULE
 
     def __post_init__(self) -> None:
         if self.cpus:
@@ -152,13 +157,19 @@ class EngineSettings:
                 args += ["--distributed-executor-backend", "uni"]
         else:
             args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        args += [
+            "--worker-extension-cls",
+            f"{self.weight_sync_module}.WeightSyncExtension",
+            "--middleware",
+            f"{self.weight_sync_module}.WeightRoutes",
+        ]
         if self.auth_token_file:
+            # Added last, so outermost: the token is checked before the weights route.
             args += ["--middleware", self.auth_middleware]
         return args + self.extra_args
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
-        env["VLLM_SERVER_DEV_MODE"] = "1"
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         env["HF_HUB_OFFLINE"] = "1"
         env["VLLM_NO_USAGE_STATS"] = "1"

@@ -1,11 +1,13 @@
 """Weight updates: every engine loads the trainer's new policy weights between turns.
 
 An update stops admission, lets the turns in flight finish (so that no turn mixes two
-versions of the weights), has every engine that takes turns reload from the given path, and
-resumes. An engine that fails to load, or has not finished loading after
-`reload_timeout` seconds, is taken out (it loads the current weights when it comes back,
-before its first turn); an update with no engine up is recorded for the same reason, so the
-trainer need not fail.
+versions of the weights), has every engine that takes turns load them, and resumes. The
+weights come from a folder every engine reads, or from the trainer's WeightServer
+(`broadcast://HOST:PORT`), which broadcasts them to all the engines of an update at once,
+in one session (kubestar.engine.weight_sync). An engine that fails to load, or has not
+finished loading after `reload_timeout` seconds, is taken out (it loads the current weights
+when it comes back, before its first turn); an update with no engine up is recorded for the
+same reason, so the trainer need not fail.
 
 A scheduler starts knowing no weights. The operator keeps the last ones it saw in the
 fleet's status and gives them back to a restarted scheduler with a *restore*, which loads
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING
 
+from kubestar.engine.weight_sync import is_broadcast, new_session
 from kubestar.scheduler import proto
 from kubestar.scheduler.errors import NoEngineAvailable
 from kubestar.scheduler.metrics import SchedulerMetrics
@@ -48,7 +51,7 @@ class WeightUpdates:
         # Waits for an update in progress, which this engine would otherwise miss.
         async with self.lock:
             if engine.state.weights_version != self.version and self.path:
-                await self._reload(engine, self.path, self.version)
+                await self._load([engine], self.path, self.version, raise_first=True)
                 engine.state.weights_version = self.version
 
     def forget_loaded(self, engine: Engine) -> None:
@@ -84,10 +87,7 @@ class WeightUpdates:
                     )
                     return proto.weights_response(new_version, [], 0.0)
                 started = time.monotonic()
-                results = await asyncio.gather(
-                    *(self._reload(e, weights_path, new_version) for e in targets),
-                    return_exceptions=True,
-                )
+                results = await self._load(targets, weights_path, new_version)
                 loaded: list[str] = []
                 failed: list[tuple[Engine, Exception]] = []
                 for engine, result in zip(targets, results, strict=True):
@@ -127,15 +127,31 @@ class WeightUpdates:
                 )
                 return proto.weights_response(new_version, loaded, seconds)
 
-    async def _reload(self, engine: Engine, path: str, version: int) -> None:
-        try:
-            async with asyncio.timeout(self.reload_timeout):
-                await engine.client.reload_weights(path)
-        except TimeoutError:
-            raise TimeoutError(
-                f"reloading weights v{version} from {path} did not finish in "
-                f"{self.reload_timeout:g} s"
-            ) from None
+    async def _load(
+        self, targets: list[Engine], source: str, version: int, raise_first: bool = False
+    ) -> list[int | BaseException]:
+        """Every target loads `source` as `version`: each from the folder, or all of them in
+        one broadcast session. Per engine, the bytes loaded or what went wrong."""
+        session = new_session() if is_broadcast(source) else ""
+
+        async def load(index: int, engine: Engine) -> int:
+            try:
+                async with asyncio.timeout(self.reload_timeout):
+                    if session:
+                        return await engine.client.receive_weights(
+                            source, session, index, len(targets), version, self.reload_timeout
+                        )
+                    return await engine.client.load_weights(source)
+            except TimeoutError:
+                raise TimeoutError(
+                    f"loading weights v{version} from {source} did not finish in "
+                    f"{self.reload_timeout:g} s"
+                ) from None
+
+        loads = (load(index, engine) for index, engine in enumerate(targets))
+        if raise_first:
+            return list(await asyncio.gather(*loads))
+        return list(await asyncio.gather(*loads, return_exceptions=True))
 
     def _record(self, version: int, path: str) -> None:
         self.version = version

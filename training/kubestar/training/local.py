@@ -88,6 +88,7 @@ class LocalStack:
         scheduler: LocalScheduler | None = None,
         engine_timeout: float = 300.0,
         sandbox_timeout: float = 180.0,
+        weight_sync: str = "broadcast",
     ) -> None:
         if scheduler is not None and not engines:
             raise ValueError("a local scheduler needs at least one engine")
@@ -97,6 +98,7 @@ class LocalStack:
         self.scheduler = scheduler
         self.engine_timeout = engine_timeout
         self.sandbox_timeout = sandbox_timeout
+        self.weight_sync = weight_sync  # the fleet's spec.weightSync, which Endpoints carries
         self.engines: list[EngineProcess] = []
         self._processes: list[subprocess.Popen[bytes]] = []
         # Services started and not yet seen serving: (name, endpoint, process).
@@ -141,6 +143,7 @@ class LocalStack:
                 poll_interval=fleet_spec.scheduler.metrics_interval_seconds,
                 segment_tokens=fleet_spec.scheduler.segment_tokens,
             ),
+            weight_sync=fleet_spec.weight_sync,
         )
 
     def start(self, wait: bool = True) -> Endpoints:
@@ -166,7 +169,7 @@ class LocalStack:
             self._waits.append(("scheduler", scheduler, process))
         if wait:
             self.wait_ready()
-        return Endpoints(scheduler=scheduler, sandbox=sandbox)
+        return Endpoints(scheduler=scheduler, sandbox=sandbox, weight_sync=self.weight_sync)
 
     def wait_ready(self) -> None:
         """Until every service serves. Raises ServiceFailed, with the end of its log, for

@@ -49,6 +49,7 @@ from kubestar.api.v1alpha1 import (
     TrainingRunStatus,
 )
 from kubestar.common.errors import KubestarError
+from kubestar.engine.weight_sync import WeightServer
 from kubestar.training import checkpoint
 from kubestar.training.checkpoint import RunState
 from kubestar.training.datasets import Problem, file_problems, load_problems, mixed_problems
@@ -311,6 +312,8 @@ class TrainingSession:
         self._push_attempts = 0
         self._pushed_again = 0
         self.resumed_from: Path | None = None  # the checkpoint this run resumed from
+        # Rank 0's server of the weights to the engines (endpoints.weight_sync "broadcast").
+        self._weight_server: WeightServer | None = None
 
     # -- orchestration ----------------------------------------------------------------------
     def run_all(self) -> TrainingRunStatus:
@@ -358,6 +361,8 @@ class TrainingSession:
                 self.call_limits,
             )
         )
+        if self.endpoints.weight_sync == "broadcast":
+            self._weight_server = WeightServer(*self.endpoints.weight_server_address())
         try:
             self._run(policy, worker)
         except TrainingStopped:
@@ -383,6 +388,8 @@ class TrainingSession:
         finally:
             ray.get(worker.close.remote())
             ray.kill(worker)
+            if self._weight_server is not None:
+                self._weight_server.close()
         return self.status
 
     def _run(self, policy: Policy, worker: Any) -> None:
@@ -592,7 +599,8 @@ class TrainingSession:
         self, policy: Policy, worker: Any, version: int, folder: Path | None = None
     ) -> Path:
         """Write the policy's weights (unless `folder` holds them already) and have every
-        engine load them; returns the folder, which a checkpoint of this step reuses."""
+        engine load them, from the folder or broadcast by the weight server; returns the
+        folder, which a checkpoint of this step reuses."""
         import ray
 
         self._doing(
@@ -602,9 +610,13 @@ class TrainingSession:
             folder = policy.save_weights(self.weights_dir / f"v{version:06d}")  # collective
         if not self.world.main:
             return folder
-        pushed = ray.get(worker.update_weights.remote(str(folder), version, self.spec.resilience))
+        source = str(folder)
+        if self._weight_server is not None:
+            self._weight_server.publish(folder, version)
+            source = self._weight_server.source
+        pushed = ray.get(worker.update_weights.remote(source, version, self.spec.resilience))
         self._push_attempts = int(pushed.get("attempts", 1))
-        self._weights = (str(folder), version)
+        self._weights = (source, version)
         # Engines have loaded it: older weight folders are no longer needed.
         for old in self.weights_dir.glob("v*"):
             if old != folder:
