@@ -24,11 +24,13 @@ A broadcast, for one session of N engines (the scheduler gives each its index I)
 2. The server answers with the session's manifest: the version it serves, the process-group
    backend (NCCL when the trainer and the engines have GPUs, else gloo), and its buckets
    (the bf16 safetensors files of the folder it published; each tensor's name, dtype, shape,
-   offset). A version other than V is refused in the manifest, with a message.
+   offset, from the file's header). A version other than V is refused in the manifest, with
+   a message.
 3. The server (rank 0) and every worker (ranks 1.., engine by engine) make one process group
-   for the session; each bucket is one broadcast of its bytes, and each worker loads a
-   bucket's tensors as it arrives (an iterator vLLM's loader consumes: one bucket in memory
-   at a time). Engines that join late (a restart, a new replica) get a session of their own.
+   for the session; each bucket is one broadcast of its file's data section as it lies on
+   disk (no copy in between), and each worker loads a bucket's tensors as it arrives (an
+   iterator vLLM's loader consumes: one bucket in memory at a time). Engines that join late
+   (a restart, a new replica) get a session of their own.
 
 The server keeps the folder of the version it serves on the trainer's own disk: no volume is
 shared with the engines.
@@ -58,9 +60,10 @@ DEFAULT_TIMEOUT = 600.0
 # How long the server waits for a session's engines to join (a broadcast, once joined, has
 # DEFAULT_TIMEOUT): an engine that died after asking holds the next version back no longer.
 JOIN_TIMEOUT = 60.0
-# Tensors start at multiples of this in a bucket's bytes, so that each is a view of its dtype.
-ALIGN = 16
-_POLL = timedelta(seconds=1)
+# The server's wait for the next request (woken by a request, or by `close`'s).
+_IDLE = timedelta(days=1)
+_REQUESTS = "kubestar/requests"
+_REQUEST = "kubestar/request"
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -103,10 +106,6 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _aligned(offset: int) -> int:
-    return -(-offset // ALIGN) * ALIGN
-
-
 def process_group(
     backend: str, store: Any, rank: int, size: int, address: str, timeout: timedelta
 ) -> Any:
@@ -146,6 +145,7 @@ class WeightServer:
 
         self.host = host
         self.timeout = timedelta(seconds=timeout)
+        self.join_timeout = timedelta(seconds=min(timeout, join_timeout))
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.bind((host, port))
         listener.listen(128)
@@ -157,14 +157,13 @@ class WeightServer:
             self.port,
             is_master=True,
             wait_for_workers=False,
-            timeout=timedelta(seconds=min(timeout, join_timeout)),
+            timeout=self.timeout,
             master_listen_fd=listener.detach(),
             use_libuv=False,
         )
         self._lock = threading.Lock()  # held while a session is served or a folder published
         self._folder: Path | None = None
         self._version = -1
-        self._stop = threading.Event()
         self.sessions_served = 0
         self._thread = threading.Thread(target=self._serve, name="weight-server", daemon=True)
         self._thread.start()
@@ -179,8 +178,17 @@ class WeightServer:
             self._folder, self._version = Path(folder), version
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        """Stop serving, once the sessions asked for before are done."""
+        import torch.distributed as dist
+
+        if self._thread.is_alive():
+            # A connection of its own: the serving thread's is not to be shared.
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                self.host, self.port, is_master=False, timeout=self.join_timeout
+            )
+            number = store.add(_REQUESTS, 1)
+            store.set(f"{_REQUEST}/{number}", json.dumps({"stop": True}))
+            self._thread.join(timeout=30)
 
     def __enter__(self) -> WeightServer:
         return self
@@ -190,14 +198,16 @@ class WeightServer:
 
     def _serve(self) -> None:
         served = 0
-        while not self._stop.is_set():
-            key = f"kubestar/request/{served + 1}"
+        while True:
+            key = f"{_REQUEST}/{served + 1}"
             try:
-                self._store.wait([key], _POLL)
-            except Exception:  # the store's timeout: look for stop, wait again
+                self._store.wait([key], _IDLE)
+            except Exception:  # the store's timeout: nobody asked for a day; wait again
                 continue
             served += 1
             request = json.loads(self._store.get(key))
+            if request.get("stop"):
+                return
             try:
                 with self._lock:
                     self._session(request)
@@ -207,36 +217,25 @@ class WeightServer:
 
     def _manifest(self, wanted: int, device: str) -> dict[str, Any]:
         import torch
-        from safetensors import safe_open
 
         if self._folder is None:
             return {"error": f"the trainer has published no weights yet (asked for v{wanted})"}
         if wanted != self._version:
             return {"error": f"the trainer serves weights v{self._version}, not v{wanted}"}
-        buckets = []
-        for file in sorted(self._folder.glob("*.safetensors")):
-            entries, offset = [], 0
-            with safe_open(str(file), framework="pt") as opened:
-                for name in opened.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    piece = opened.get_slice(name)
-                    dtype = _dtype(_SAFETENSORS_DTYPES[piece.get_dtype()])
-                    shape = list(piece.get_shape())
-                    nbytes = dtype.itemsize * int(torch.Size(shape).numel())
-                    entries.append([name, str(dtype), shape, offset, nbytes])
-                    offset = _aligned(offset + nbytes)
-            buckets.append({"file": file.name, "bytes": offset, "tensors": entries})
+        buckets = [_bucket(file) for file in sorted(self._folder.glob("*.safetensors"))]
         backend = "nccl" if device == "cuda" and torch.cuda.is_available() else "gloo"
         return {"version": self._version, "backend": backend, "buckets": buckets}
 
     def _session(self, request: dict[str, Any]) -> None:
         import torch
         import torch.distributed as dist
-        from safetensors.torch import load_file
 
         session, engines = str(request["session"]), int(request["engines"])
         manifest = self._manifest(int(request["version"]), str(request.get("device", "cpu")))
         try:
-            workers = [int(self._store.get(_key(session, f"engine-{i}"))) for i in range(engines)]
+            joined = [_key(session, f"engine-{i}") for i in range(engines)]
+            self._store.wait(joined, self.join_timeout)
+            workers = [int(self._store.get(key)) for key in joined]
         except Exception:  # the store's timeout: tell the engines that came, at once
             manifest = {"error": f"not all {engines} engines of the session joined in time"}
         self._store.set(_key(session, "manifest"), json.dumps(manifest))
@@ -253,15 +252,37 @@ class WeightServer:
         )
         assert self._folder is not None
         for bucket in manifest["buckets"]:  # one bucket held at a time
-            tensors = load_file(str(self._folder / bucket["file"]))
-            flat = torch.zeros(bucket["bytes"], dtype=torch.uint8)
-            for name, _, _, offset, nbytes in bucket["tensors"]:
-                flat[offset : offset + nbytes] = tensors[name].reshape(-1).view(torch.uint8)
-            del tensors
-            group.broadcast([flat.to(device)]).wait()
+            # The file's data section as it lies on disk: the tensors' bytes, back to back.
+            data = _file_bytes(self._folder / bucket["file"])[bucket["start"] :]
+            group.broadcast([data.to(device)]).wait()
+            del data
 
 
-# safetensors' dtype names (get_dtype) as torch's.
+def _bucket(file: Path) -> dict[str, Any]:
+    """A safetensors file as one broadcast: its data section's size and where it starts in
+    the file, and each tensor's name, dtype, shape and offset in the data section."""
+    with open(file, "rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(length))
+    header.pop("__metadata__", None)
+    tensors = []
+    for name, entry in header.items():
+        first, last = entry["data_offsets"]
+        tensors.append(
+            [name, _SAFETENSORS_DTYPES[entry["dtype"]], entry["shape"], first, last - first]
+        )
+    tensors.sort(key=lambda tensor: tensor[3])
+    size = max((offset + nbytes for *_, offset, nbytes in tensors), default=0)
+    return {"file": file.name, "start": 8 + length, "bytes": size, "tensors": tensors}
+
+
+def _file_bytes(file: Path) -> torch.Tensor:
+    import torch
+
+    return torch.from_file(str(file), size=file.stat().st_size, dtype=torch.uint8)
+
+
+# safetensors' dtype names as torch's.
 _SAFETENSORS_DTYPES = {
     "BF16": "bfloat16",
     "F16": "float16",
@@ -302,14 +323,14 @@ def receive(
     if worker == 0:
         store.set(_key(session, f"engine-{engine}"), str(workers))
         if engine == 0:
-            number = store.add("kubestar/requests", 1)
+            number = store.add(_REQUESTS, 1)
             request = {
                 "session": session,
                 "engines": engines,
                 "version": version,
                 "device": device.type,
             }
-            store.set(f"kubestar/request/{number}", json.dumps(request))
+            store.set(f"{_REQUEST}/{number}", json.dumps(request))
     manifest = json.loads(store.get(_key(session, "manifest")))
     if "error" in manifest:
         raise RuntimeError(f"{source}: {manifest['error']}")
@@ -329,8 +350,12 @@ def receive(
         for bucket in manifest["buckets"]:
             flat = torch.empty(bucket["bytes"], dtype=torch.uint8, device=buffer_device)
             group.broadcast([flat]).wait()
-            for name, dtype, shape, offset, nbytes in bucket["tensors"]:
-                yield name, flat[offset : offset + nbytes].view(_dtype(dtype)).reshape(shape)
+            for name, dtype_name, shape, offset, nbytes in bucket["tensors"]:
+                dtype = _dtype(dtype_name)
+                piece = flat[offset : offset + nbytes]
+                if offset % dtype.itemsize:  # safetensors does not align tensors
+                    piece = piece.clone()
+                yield name, piece.view(dtype).reshape(shape)
 
     return manifest, tensors()
 
