@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
 from kubestar.common.bounds import ServiceBounds
+from kubestar.sandbox.backend import Backend, make_result
 from kubestar.sandbox.client import SandboxClient
 from kubestar.sandbox.limits import MAX_ID_BYTES, MAX_REQUEST_BYTES
 from kubestar.sandbox.server import ServerConfig
+from kubestar.sandbox.service import SandboxServicer
 from kubestar.v1 import sandbox_pb2 as pb
 from kubestar.v1 import sandbox_pb2_grpc as pb_grpc
 
@@ -120,3 +122,43 @@ def test_a_stream_runs_at_most_its_in_flight_bound_of_calls() -> None:
             assert 1 <= busiest <= 2  # 4 executors free, the stream's bound held
     finally:
         threaded.stop()
+
+
+class CountingBackend(Backend):
+    """Answers every call at once, counting them."""
+
+    def __init__(self) -> None:
+        self.executed = 0
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def drain(self, grace_seconds: float) -> None: ...
+
+    async def execute(self, execution: pb.Execution) -> pb.ExecutionResult:
+        self.executed += 1
+        return make_result(execution.id, pb.EXECUTION_STATUS_OK, "")
+
+    async def get_capacity(self) -> pb.GetCapacityResponse:
+        return pb.GetCapacityResponse()
+
+
+async def test_a_stream_whose_results_are_not_read_stops_running_calls() -> None:
+    """A client sends 20 calls and takes one result without reading further: the stream
+    runs the 2 calls its bound allows and no more (a slot is freed when its result has been
+    sent, not when it is ready), so an unread stream holds a bounded number of results."""
+    backend = CountingBackend()
+    servicer = SandboxServicer(backend, max_in_flight_per_stream=2)
+
+    async def requests() -> AsyncIterator[pb.ExecuteStreamRequest]:
+        for index in range(20):
+            yield pb.ExecuteStreamRequest(execution=pb.Execution(id=f"c{index}", code="1"))
+
+    stream = servicer.ExecuteStream(requests(), None)  # type: ignore[arg-type]
+    first = await anext(stream)
+    for _ in range(200):  # let the stream's reader and calls run as far as they can
+        await asyncio.sleep(0)
+    assert first.result.id == "c0"
+    assert backend.executed == 2  # the one being sent and one more: the bound
+    await stream.aclose()

@@ -1,6 +1,7 @@
 """What a call cannot reach outside itself, and what it leaves the kernel to take first: no
 other process's memory (the zygote and every call are not dumpable), the OOM killer's first
-choice (oom_score_adj 1000), and a bounded number of files in its private tmpfs.
+choice (oom_score_adj 1000), a bounded number of files in its private tmpfs, and not the
+pod's termination log.
 
 Workers run as root and as pods run them (a non-root uid in a user namespace,
 tests.sandbox.unprivileged); not dumpable and the OOM score hold without isolation too.
@@ -16,7 +17,12 @@ from kubestar.sandbox.client import Call, SandboxClient
 from kubestar.sandbox.isolation import PRIVATE_TMPFS_INODES
 from kubestar.v1 import sandbox_pb2 as pb
 
-from tests.sandbox.support import ServerProcess, assert_still_serving, start_worker
+from tests.sandbox.support import (
+    ServerProcess,
+    assert_still_serving,
+    scratch_dir,
+    start_worker,
+)
 
 OK = pb.EXECUTION_STATUS_OK
 
@@ -53,9 +59,19 @@ def run(server: ServerProcess, code: str, timeout: float = 30) -> str:
     return result.stdout
 
 
+@pytest.fixture(scope="module")
+def termination_log() -> Path:
+    """The workers' --termination-log, where calls could reach it were it not hidden."""
+    return scratch_dir() / "termination-log"
+
+
 @pytest.fixture(scope="module", params=["root", "non-root"])
-def isolated(log_dir: Path, request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
-    server = start_worker(log_dir, str(request.param), executors=1)
+def isolated(
+    log_dir: Path, termination_log: Path, request: pytest.FixtureRequest
+) -> Iterator[ServerProcess]:
+    server = start_worker(
+        log_dir, str(request.param), "--termination-log", str(termination_log), executors=1
+    )
     yield server
     server.stop()
 
@@ -136,3 +152,17 @@ def test_files_in_a_private_tmpfs_are_bounded(isolated: ServerProcess, directory
         # the runtime's mount points.
         assert PRIVATE_TMPFS_INODES - 64 <= int(made) < PRIVATE_TMPFS_INODES
     assert run(isolated, "import os\nprint(len(os.listdir('/dev/shm')))") == "0\n"
+
+
+def test_a_call_cannot_forge_the_termination_message(
+    isolated: ServerProcess, termination_log: Path
+) -> None:
+    """The pod's termination log (which the pool's Ready condition shows) is /dev/null to a
+    call: what it writes there goes nowhere, and it reads nothing of the worker's."""
+    code = (
+        f"path = {str(termination_log)!r}\n"
+        "open(path, 'w').write('IsolationUnavailable: forged')\n"
+        "print(repr(open(path).read()))"
+    )
+    assert run(isolated, code).strip() == "''"
+    assert termination_log.read_text() == ""

@@ -139,3 +139,17 @@ async def test_without_a_token_the_scheduler_serves_anyone(engines: list[FakeEng
             assert len((await client.status()).engines) == 2
     finally:
         await server.stop(grace_seconds=1.0)
+
+
+async def test_a_refused_request_is_not_parsed(server: SchedulerServer) -> None:
+    """Bytes that are no UpdateWeightsRequest, sent without the token: refused as
+    UNAUTHENTICATED, not as a request that failed to parse (the refusal comes first)."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        call = channel.unary_unary(
+            f"/{SERVICE_NAME}/UpdateWeights",
+            request_serializer=lambda raw: raw,
+            response_deserializer=lambda raw: raw,
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await call(b"\xff\xff\xff not a protobuf message", timeout=10)
+    assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -10,6 +10,7 @@ Slow (the engines start once for the module); needs a python with vLLM (tests/re
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -417,6 +418,22 @@ async def test_errors_name_the_field(engines: Sequence[EngineProcess], model: Pa
             await client.completions.create(model=MODEL_NAME, prompt="x", temperature=5)
         with pytest.raises(openai.BadRequestError, match="prompt must be a string"):
             await client.completions.create(model=MODEL_NAME, prompt=[[1, 2], [3]])
+        # A body over the front's limit is refused before it is read or tokenized.
+        with pytest.raises(openai.APIStatusError, match="more than any prompt") as too_large:
+            await client.completions.create(model=MODEL_NAME, prompt="7" * (5 << 20), max_tokens=2)
+        assert too_large.value.status_code == 413
+        # Prompts are tokenized off the event loop that the rollouts' turns share.
+        assert server.openai is not None
+        threads: list[str] = []
+        tokenize = server.openai._prompt_ids
+
+        def recorded(prompt: Any) -> list[int]:
+            threads.append(threading.current_thread().name)
+            return tokenize(prompt)
+
+        server.openai._prompt_ids = recorded  # type: ignore[method-assign]
+        answer = await client.completions.create(model=MODEL_NAME, prompt="2 + 2 =", max_tokens=2)
+        assert answer.choices and threads and threads[0].startswith("openai-tokenize"), threads
         assert server.openai is not None
         anonymous = openai.AsyncOpenAI(
             base_url=f"http://127.0.0.1:{server.openai.port}/v1", api_key="wrong", max_retries=0

@@ -7,6 +7,7 @@ import json
 import math
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import TextIO
 
 import click
@@ -166,6 +167,8 @@ def serve_command(
             write_termination_message(termination_log, error)
         raise
     modules = tuple(m for m in preload.split(",") if m)
+    if termination_log:
+        Path(termination_log).touch()  # there to hide from calls
     executor = ExecutorConfig(
         preload=modules,
         # The default warm-up exercises numpy and sympy: only when they are preloaded.
@@ -174,7 +177,8 @@ def serve_command(
         isolation=not no_isolation,
         syscall_filter=not no_syscall_filter,
         uid_base=uid_base,
-        hidden_paths=hide,
+        # Calls must not write the message the operator shows (it would forge a refusal).
+        hidden_paths=(*hide, *([termination_log] if termination_log else [])),
         policy=policy,
     )
     config = ServerConfig(

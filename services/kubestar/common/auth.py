@@ -137,14 +137,19 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return _refusing(handler, problem)
 
 
+def _unparsed(_: bytes) -> None:
+    """The request of a refused call: its bytes are never parsed."""
+
+
 def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of `handler`'s kind that refuses the call before reading any request."""
+    """A handler of `handler`'s kind that refuses the call without parsing its request (a
+    caller without the token costs no protobuf decoding, however large its message)."""
 
     async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:  # type: ignore[type-arg]
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     serializers: dict[str, Any] = {
-        "request_deserializer": handler.request_deserializer,
+        "request_deserializer": _unparsed,
         "response_serializer": handler.response_serializer,
     }
     if handler.request_streaming and handler.response_streaming:

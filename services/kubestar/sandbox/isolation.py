@@ -78,8 +78,9 @@ ROOT_CAPABILITIES = {
 }
 # Paths that commonly hold credentials; hidden behind an empty tmpfs when they exist.
 # Root's home holds kubeconfigs, cloud and SSH credentials; the others are Kubernetes' and
-# Docker's secret mounts.
-SECRET_PATHS = ("/var/run/secrets", "/run/secrets", "/root")
+# Docker's secret mounts. A file is hidden behind /dev/null: Kubernetes' termination log
+# (world-writable, and shown in the pool's Ready condition) among them.
+SECRET_PATHS = ("/var/run/secrets", "/run/secrets", "/root", "/dev/termination-log")
 PRIVATE_TMPFS = ("/tmp", "/var/tmp", "/dev/shm")
 # Files, directories and links each private tmpfs holds at most (nr_inodes; the runtime
 # shown there and the call directories count too). A tmpfs inode is kernel memory outside

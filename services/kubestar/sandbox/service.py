@@ -53,23 +53,25 @@ class SandboxServicer(pb_grpc.SandboxServiceServicer):
         results: asyncio.Queue[pb.ExecutionResult | None] = asyncio.Queue()
         pending: set[asyncio.Task[None]] = set()
         seen: set[str] = set()
-        # Calls of this stream not yet answered: the next request waits for a free slot.
+        # Calls of this stream not yet answered: the next request waits for a free slot. A
+        # slot is freed when its result is sent, so a client that does not read its results
+        # holds at most this many, here and in the calls behind them.
         slots = asyncio.Semaphore(self.max_in_flight_per_stream)
 
         async def run(execution: pb.Execution, duplicate: bool) -> None:
             try:
                 if duplicate:
-                    await results.put(
-                        make_result(
-                            execution.id,
-                            pb.EXECUTION_STATUS_INVALID,
-                            f"id {execution.id!r} is already in use in this stream",
-                        )
+                    result = make_result(
+                        execution.id,
+                        pb.EXECUTION_STATUS_INVALID,
+                        f"id {execution.id!r} is already in use in this stream",
                     )
                 else:
-                    await results.put(await self._execute_checked(execution))
-            finally:
-                slots.release()
+                    result = await self._execute_checked(execution)
+            except BaseException:
+                slots.release()  # nothing to send
+                raise
+            await results.put(result)
 
         async def read_requests() -> None:
             async for request in request_iterator:
@@ -88,6 +90,7 @@ class SandboxServicer(pb_grpc.SandboxServiceServicer):
         try:
             while (result := await results.get()) is not None:
                 yield pb.ExecuteStreamResponse(result=result)
+                slots.release()  # sent (the transport took it): the stream may run another
             await reader
         finally:
             reader.cancel()

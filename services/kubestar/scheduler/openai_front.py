@@ -28,6 +28,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,9 @@ class OpenAIFrontConfig:
     listen: str  # HOST:PORT
     model_name: str  # what /v1/models lists and requests may name
     tokenizer: str  # a folder with the served model's tokenizer and chat template
+    # A larger request body is refused (413) before it is read: a prompt is bounded by the
+    # engines' context, and 4 MiB holds 128K tokens' text or ids many times over.
+    max_body_bytes: int = 4 * 1024 * 1024
 
 
 class BadRequest(Exception):
@@ -184,13 +188,18 @@ class OpenAIFront:
         self.config = config
         self.auth_token = auth_token
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+        # Prompts are tokenized here, off the event loop that every rollout's turns share;
+        # one thread, since a fast tokenizer is not to be used by two at once.
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="openai-tokenize")
         self.created = int(time.time())
         self.runner: web.AppRunner | None = None
         self.port = 0
 
     # ---- serving ---------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=64 * 1024 * 1024)
+        app = web.Application(
+            middlewares=[self._errors], client_max_size=self.config.max_body_bytes
+        )
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
@@ -212,6 +221,7 @@ class OpenAIFront:
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     @web.middleware
     async def _errors(
@@ -225,6 +235,9 @@ class OpenAIFront:
             return await handler(request)
         except BadRequest as error:
             return _error(error.message, error.status, error.param)
+        except web.HTTPRequestEntityTooLarge:
+            limit = self.config.max_body_bytes
+            return _error(f"the request body is over {limit} bytes, more than any prompt", 413)
         except web.HTTPException:
             raise
         except (TurnRejected, RequestTooLarge) as error:
@@ -295,7 +308,7 @@ class OpenAIFront:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        prompt_ids = self._prompt_ids(body.get("prompt"))
+        prompt_ids = await self._off_loop(self._prompt_ids, body.get("prompt"))
         logprobs = _integer(body, "logprobs", None, 0)
         if logprobs is not None and logprobs > 0:
             raise BadRequest(
@@ -308,7 +321,7 @@ class OpenAIFront:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        prompt_ids = self._chat_prompt_ids(body.get("messages"))
+        prompt_ids = await self._off_loop(self._chat_prompt_ids, body.get("messages"))
         if _integer(body, "top_logprobs", 0, 0):
             raise BadRequest(
                 "top_logprobs: only the sampled token's logprob is available", "top_logprobs"
@@ -317,6 +330,10 @@ class OpenAIFront:
         max_tokens = self._max_tokens(body, names, len(prompt_ids))
         asked = sampling(body, max_tokens, bool(body.get("logprobs")))
         return await self._respond(request, body, "chat.completion", prompt_ids, asked)
+
+    async def _off_loop(self, tokenize: Callable[[Any], list[int]], value: Any) -> list[int]:
+        """`tokenize(value)` in the tokenizing thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, tokenize, value)
 
     def _chat_prompt_ids(self, messages: Any) -> list[int]:
         if not isinstance(messages, list) or not messages:
