@@ -161,4 +161,4 @@ async def test_a_stream_whose_results_are_not_read_stops_running_calls() -> None
         await asyncio.sleep(0)
     assert first.result.id == "c0"
     assert backend.executed == 2  # the one being sent and one more: the bound
-    await stream.aclose()
+    await stream.aclose()  # type: ignore[attr-defined]
