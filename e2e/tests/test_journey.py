@@ -619,7 +619,7 @@ async def main():
         seen[name] = {{
             "sandbox": await rpc(sandbox.aexecute("print(1)")),
             "scheduler": await rpc(scheduler.status()),
-            "engine": http("{engine}/reset_prefix_cache", given),
+            "engine": http("{engine}/kubestar/v1/weights", given),
         }}
         await sandbox.aclose()
         await scheduler.close()
@@ -634,8 +634,9 @@ def test_the_planes_refuse_calls_without_the_installations_token(
     tools: Tools, settings: Settings
 ) -> None:
     """From the dispatcher's pod, which the network lets through: the sandbox, the rollout
-    scheduler and an engine's development endpoints refuse a call without the chart's token
-    or with another, and serve it with the token."""
+    scheduler and an engine's weights route refuse a call without the chart's token or with
+    another, and serve it with the token (the route answers 400 to an empty body: it names
+    no weights)."""
     pool = tools.get("sandboxpool", POOL, settings.namespace)
     fleet = tools.get("rolloutfleet", FLEET, settings.namespace)
     assert pool is not None and fleet is not None
@@ -658,7 +659,7 @@ def test_the_planes_refuse_calls_without_the_installations_token(
     refused = {"sandbox": "UNAUTHENTICATED", "scheduler": "UNAUTHENTICATED", "engine": 401}
     assert seen["without"] == refused, seen
     assert seen["wrong"] == refused, seen
-    assert seen["with"] == {"sandbox": "OK", "scheduler": "OK", "engine": 200}, seen
+    assert seen["with"] == {"sandbox": "OK", "scheduler": "OK", "engine": 400}, seen
 
 
 HTTP_DIALECTS = r"""

@@ -1,7 +1,7 @@
 """What a call cannot reach outside itself, and what it leaves the kernel to take first: no
 other process's memory (the zygote and every call are not dumpable), the OOM killer's first
-choice (oom_score_adj 1000), a bounded number of files in its private tmpfs, and not the
-pod's termination log.
+choice (oom_score_adj 1000), a bounded number of files in its private tmpfs, not the pod's
+termination log, and of /proc only its own processes' files and the kernel's read-only.
 
 Workers run as root and as pods run them (a non-root uid in a user namespace,
 tests.sandbox.unprivileged); not dumpable and the OOM score hold without isolation too.
@@ -166,3 +166,41 @@ def test_a_call_cannot_forge_the_termination_message(
     )
     assert run(isolated, code).strip() == "''"
     assert termination_log.read_text() == ""
+
+
+# What a call can learn of the host from /proc, and change there.
+READ_PROC = """
+import os
+def read(path):
+    try:
+        with open(path, "rb") as handle:
+            return "read %d bytes" % len(handle.read(4096))
+    except OSError as error:
+        return type(error).__name__
+def write(path):
+    try:
+        with open(path, "w") as handle:
+            handle.write("|/tmp/owned %p")
+        return "WROTE"
+    except OSError as error:
+        return type(error).__name__
+print("keys", read("/proc/keys"))
+print("timer_list", read("/proc/timer_list"))
+print("sched_debug", read("/proc/sched_debug"))
+print("core_pattern", write("/proc/sys/kernel/core_pattern"))
+print("own_status", read("/proc/self/status"))
+# Read-only for every process of the namespace, the root zygote included.
+mounts = [line.split() for line in open("/proc/self/mountinfo")]
+print("sys_mount", ([m[5] for m in mounts if m[4] == "/proc/sys"] or ["none"])[-1])
+"""
+
+
+def test_proc_shows_the_call_nothing_of_the_host_and_is_read_only(
+    isolated: ServerProcess,
+) -> None:
+    seen = dict(line.split(" ", 1) for line in run(isolated, READ_PROC).splitlines())
+    for hidden in ("keys", "timer_list", "sched_debug"):
+        assert seen[hidden] in ("read 0 bytes", "FileNotFoundError"), seen
+    assert seen["core_pattern"] in ("OSError", "PermissionError"), seen
+    assert "ro" in seen["sys_mount"].split(","), seen
+    assert seen["own_status"].startswith("read ") and seen["own_status"] != "read 0 bytes"

@@ -88,6 +88,24 @@ PRIVATE_TMPFS = ("/tmp", "/var/tmp", "/dev/shm")
 # empty files in a loop gets ENOSPC here. Emptied after each call, so this is per call.
 PRIVATE_TMPFS_INODES = 4096
 PRIVATE_TMPFS_OPTIONS = f"size=256m,nr_inodes={PRIVATE_TMPFS_INODES},mode=1777"
+# The call's fresh /proc shows its own processes, but also files about the host: hidden
+# (the kernel's memory, its keyrings, timers and scheduler state, devices) or read-only (the
+# kernel's tunables, /proc/sys/kernel/core_pattern among them), as container runtimes mask
+# them in a container's /proc.
+PROC_HIDDEN = (
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/key-users",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/sysrq-trigger",
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/scsi",
+)
+PROC_READ_ONLY = ("/proc/sys", "/proc/bus", "/proc/fs", "/proc/irq")
 # The empty, read-only tmpfs over secret and hidden paths (only the runtime's mount points).
 COVER_TMPFS_OPTIONS = "size=64k,nr_inodes=1024,mode=0755"
 # Resolved: a symlink on the way (a checkout linked under /tmp) may be covered by a tmpfs.
@@ -358,6 +376,7 @@ def _setup_mounts(isolation: Isolation, hidden_paths: list[str]) -> None:
         _mount("none", "/", None, MS_REC | MS_PRIVATE, None)
         isolation.mount_namespace = True
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+        _mask_proc()
         for path in PRIVATE_TMPFS:
             if os.path.isdir(path):
                 _cover(path, PRIVATE_TMPFS_OPTIONS, read_only=False)
@@ -369,6 +388,21 @@ def _setup_mounts(isolation: Isolation, hidden_paths: list[str]) -> None:
     except OSError as error:
         where = f"{error.filename}: " if error.filename else ""
         raise IsolationFailed(f"mount namespace: {where}{error.strerror}") from None
+
+
+def _mask_proc() -> None:
+    """PROC_HIDDEN behind /dev/null (files) or an empty read-only tmpfs (directories), and
+    PROC_READ_ONLY bind-mounted read-only onto themselves."""
+    for path in PROC_HIDDEN:
+        if os.path.isdir(path):
+            _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "size=0")
+        elif os.path.exists(path):
+            _mount("/dev/null", path, None, MS_BIND, None)
+    for path in PROC_READ_ONLY:
+        if os.path.isdir(path):
+            _mount(path, path, None, MS_BIND | MS_REC, None)
+            flags = MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
+            _mount(path, path, None, flags, None)
 
 
 def _refuse(fd: int, error: str) -> NoReturn:
