@@ -15,7 +15,10 @@ isolation the node refuses says IsolationUnavailable instead of becoming Ready.
 
 from __future__ import annotations
 
+import base64
 import functools
+import hashlib
+import hmac
 import json
 import re
 import shutil
@@ -612,8 +615,9 @@ async def rpc(call):
 
 async def main():
     token = open("{token_file}").read().strip()
-    seen = {{}}
-    for name, given in (("without", ""), ("wrong", "x" * 64), ("with", token)):
+    seen = {{"token": token}}
+    tries = (("without", ""), ("wrong", "x" * 64), ("other namespace", "{other}"), ("with", token))
+    for name, given in tries:
         sandbox = SandboxClient("127.0.0.1:{port}", timeout=60, token=given)
         scheduler = SchedulerClient("{scheduler}", timeout=60, token=given)
         seen[name] = {{
@@ -629,14 +633,20 @@ asyncio.run(main())
 """
 
 
+def namespace_token(installation: str, namespace: str) -> str:
+    """A namespace's token as docs/security.md says the operator derives it."""
+    message = f"kubestar.dev/namespace/{namespace}".encode()
+    return hmac.new(installation.encode(), message, hashlib.sha256).hexdigest()
+
+
 @needs("chart", "fleet", "pool")
-def test_the_planes_refuse_calls_without_the_installations_token(
+def test_the_planes_refuse_calls_without_the_namespaces_token(
     tools: Tools, settings: Settings
 ) -> None:
     """From the dispatcher's pod, which the network lets through: the sandbox, the rollout
-    scheduler and an engine's weights route refuse a call without the chart's token or with
-    another, and serve it with the token (the route answers 400 to an empty body: it names
-    no weights)."""
+    scheduler and an engine's weights route refuse a call without the namespace's token,
+    with a wrong one or with another namespace's, and serve it with the namespace's (the
+    route answers 400 to an empty body: it names no weights)."""
     pool = tools.get("sandboxpool", POOL, settings.namespace)
     fleet = tools.get("rolloutfleet", FLEET, settings.namespace)
     assert pool is not None and fleet is not None
@@ -648,17 +658,27 @@ def test_the_planes_refuse_calls_without_the_installations_token(
     )[0]
     engine_port = engine["spec"]["containers"][0]["ports"][0]["containerPort"]
     engine_host = engine["status"].get("podIP") or "127.0.0.1"
+    # The installation's token (the chart's Secret, which only the operator mounts): the
+    # namespace's pods hold the token derived from it for their namespace, and a tenant of
+    # another namespace holds that namespace's, which these planes refuse.
+    chart_secret = tools.kubectl_json(
+        "get", "secret", f"{settings.release}-auth", "-n", settings.system_namespace
+    )
+    installation = base64.b64decode(chart_secret["data"]["token"]).decode()
     script = CLOSED.format(
         port=50051,
         token_file="/var/run/secrets/kubestar/auth/token",
         scheduler=fleet["status"]["schedulerEndpoint"],
         engine=f"http://{engine_host}:{engine_port}",
+        other=namespace_token(installation, "another-tenant"),
     )
     seen = run_in_dispatcher(tools, settings, script, timeout=180)
+    assert seen.pop("token") == namespace_token(installation, settings.namespace)
     settings.notes["planes_without_token"] = seen
     refused = {"sandbox": "UNAUTHENTICATED", "scheduler": "UNAUTHENTICATED", "engine": 401}
     assert seen["without"] == refused, seen
     assert seen["wrong"] == refused, seen
+    assert seen["other namespace"] == refused, seen
     assert seen["with"] == {"sandbox": "OK", "scheduler": "OK", "engine": 400}, seen
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from kubestar.engine.weight_sync import (
     WeightServer,
     _weights_call,
@@ -86,6 +87,10 @@ def test_every_worker_of_every_engine_gets_every_tensor_bit_for_bit(tmp_path: Pa
         for thread in threads:
             thread.join(60)
         assert server.sessions_served == 1
+        # What the session needed is gone from the store (a run pushes every step).
+        store = dist.TCPStore("127.0.0.1", server.port, is_master=False)  # type: ignore[attr-defined]
+        for name in ("manifest", "engine-0", "engine-1"):
+            assert not store.check([f"kubestar/session/{session}/{name}"]), name
     received = [one for engine in sorted(got) for one in got[engine]]
     assert len(received) == 3
     for one in received:

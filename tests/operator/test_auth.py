@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 from kubestar.api.v1alpha1 import RolloutFleetSpec, SandboxPoolSpec, TrainingRunSpec
-from kubestar.common.auth import ENV_TOKEN_FILE
+from kubestar.common.auth import ENV_TOKEN_FILE, namespace_token
 from kubestar.operator import build_fleet, build_sandbox, build_trainer
 from kubestar.operator import objects as o
 from kubestar.operator.settings import Auth, OperatorSettings
@@ -79,8 +79,10 @@ def assert_mounted(workload: dict[str, Any], secret: str, flagged: bool) -> None
 
 
 def assert_secret(secret: dict[str, Any], name: str, owner: str) -> None:
+    """The namespace's own token (parent() makes resources in "team"), not the chart's."""
     assert secret["kind"] == "Secret" and secret["metadata"]["name"] == name
-    assert base64.b64decode(secret["data"]["token"]).decode() == TOKEN
+    held = base64.b64decode(secret["data"]["token"]).decode()
+    assert held == namespace_token(TOKEN, "team") and TOKEN not in held
     (reference,) = secret["metadata"]["ownerReferences"]
     assert reference["name"] == owner and reference["controller"] is True
     assert secret["metadata"]["labels"][o.LABEL_MANAGED_BY] == o.MANAGED_BY
@@ -286,18 +288,20 @@ def test_the_chart_can_use_an_existing_secret(tmp_path: Path) -> None:
     assert {"name": "auth", "secret": {"secretName": "my-token"}} in volumes
 
 
-def test_the_operator_copies_the_charts_token_beside_a_pool(
+def test_the_operator_gives_a_pool_its_namespaces_token(
     cluster: LocalCluster, operator: OperatorProcess, auth_token: str, namespace: str
 ) -> None:
-    """Against a real API server, with the chart's RBAC: the pool's copy of the chart's
-    token, owned by the pool and mounted by its pods; made again when deleted."""
+    """Against a real API server, with the chart's RBAC: the pool's Secret holds its
+    namespace's token (derived from the chart's), owned by the pool and mounted by its pods;
+    made again when deleted."""
     api = cluster.api()
     pool = api.create(kubestar(namespace, "sandboxpools"), example("SandboxPool"))
     name = pool["metadata"]["name"]
     path = core(namespace, "secrets", f"{name}-sandbox-auth")
     secret = wait_for("the pool's Secret", partial(api.get, path), timeout=20)
     assert owned_by(secret, pool)
-    assert base64.b64decode(secret["data"]["token"]).decode() == auth_token
+    held = base64.b64decode(secret["data"]["token"]).decode()
+    assert held == namespace_token(auth_token, namespace) != auth_token
     workers = wait_for(
         "the workers",
         partial(api.get, apis("apps/v1", namespace, "statefulsets", f"{name}-sandbox-worker")),
@@ -308,3 +312,24 @@ def test_the_operator_copies_the_charts_token_beside_a_pool(
     api.delete(path)
     again = wait_for("the Secret made again", partial(api.get, path), timeout=30)
     assert again["metadata"]["uid"] != secret["metadata"]["uid"]
+
+
+def test_each_namespace_gets_a_token_of_its_own() -> None:
+    """Derived from the installation's (an HMAC of the namespace): the same for every
+    resource of a namespace, another in every other namespace, and the installation's token
+    is not to be had back from it."""
+    settings = with_token()
+
+    def held(namespace: str, kind: str = "SandboxPool") -> str:
+        pool = parent(kind, "p", namespace=namespace)
+        children = (
+            build_sandbox.children(pool, SandboxPoolSpec(), settings)
+            if kind == "SandboxPool"
+            else build_trainer.auth(pool, settings)
+        )
+        (secret,) = [c for c in children if c["kind"] == "Secret"]
+        return base64.b64decode(secret["data"]["token"]).decode()
+
+    assert held("team-a") == held("team-a", "TrainingRun") == namespace_token(TOKEN, "team-a")
+    assert held("team-a") != held("team-b")
+    assert len(held("team-a")) == 64 and TOKEN not in held("team-a")

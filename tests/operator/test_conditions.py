@@ -287,22 +287,25 @@ def test_the_fleet_keeps_the_weights_served_and_restores_them_once() -> None:
 
 async def test_weights_that_cannot_be_restored_are_forgotten() -> None:
     spec = RolloutFleetSpec.model_validate({"replicas": 1, "accelerator": "cpu"})
-    asked: list[tuple[str, str, int, float]] = []
+    asked: list[tuple[str, str, str, int, float]] = []
 
-    async def restore(endpoint: str, path: str, version: int, timeout: float) -> int:
-        asked.append((endpoint, path, version, timeout))
+    async def restore(
+        endpoint: str, namespace: str, path: str, version: int, timeout: float
+    ) -> int:
+        asked.append((endpoint, namespace, path, version, timeout))
         if path.endswith("gone"):
             raise RuntimeError("no such folder")
         return 7 if path.endswith("raced") else version
 
     ctx = Context(kube=cast(Any, None), settings=OperatorSettings(), restore_weights=restore)
-    restored = await rolloutfleet.restore_weights(ctx, "s:1", spec, "/w/v3", 3)
+    restored = await rolloutfleet.restore_weights(ctx, "s:1", "team", spec, "/w/v3", 3)
     assert restored == {"version": 3, "path": "/w/v3"}
-    assert asked == [("s:1", "/w/v3", 3, spec.scheduler.weights_reload_timeout_seconds + 60)]
+    timeout = spec.scheduler.weights_reload_timeout_seconds + 60
+    assert asked == [("s:1", "team", "/w/v3", 3, timeout)]
     # Gone with a finished run: forgotten, so no reconcile asks again.
-    assert await rolloutfleet.restore_weights(ctx, "s:1", spec, "/w/v3-gone", 3) is None
+    assert await rolloutfleet.restore_weights(ctx, "s:1", "team", spec, "/w/v3-gone", 3) is None
     # A trainer's push came first: the next probe records what it pushed.
-    assert await rolloutfleet.restore_weights(ctx, "s:1", spec, "/w/v3-raced", 3) is None
+    assert await rolloutfleet.restore_weights(ctx, "s:1", "team", spec, "/w/v3-raced", 3) is None
 
 
 SPEC = TrainingRunSpec.model_validate(

@@ -75,7 +75,7 @@ async def test_probe_reads_capacity_and_weights_and_a_restore_loads_once(engine:
         scheduler = None
         for _ in range(150):
             try:
-                scheduler = await scheduler_probe(endpoint)
+                scheduler = await scheduler_probe(endpoint, "default")
             except Exception:  # not listening yet
                 scheduler = None
             probe = scheduler.engines.get("fleet-engine-abc") if scheduler else None
@@ -89,12 +89,12 @@ async def test_probe_reads_capacity_and_weights_and_a_restore_loads_once(engine:
         assert probe.taken_out == ""
         # Started, it serves the engines' own weights: the operator gives it the fleet's.
         assert (scheduler.weights_version, scheduler.weights_path) == (0, "")
-        assert await scheduler_restore(endpoint, "/ckpt/weights/v000005", 5, 30.0) == 5
+        assert await scheduler_restore(endpoint, "default", "/ckpt/weights/v000005", 5, 30.0) == 5
         assert RELOADS == ["/ckpt/weights/v000005"]
-        after = await scheduler_probe(endpoint)
+        after = await scheduler_probe(endpoint, "default")
         assert after and (after.weights_version, after.weights_path) == (5, RELOADS[0])
         # A second restore (a reconcile that raced the first) loads nothing again.
-        assert await scheduler_restore(endpoint, "/ckpt/weights/v000004", 4, 30.0) == 5
+        assert await scheduler_restore(endpoint, "default", "/ckpt/weights/v000004", 4, 30.0) == 5
         assert RELOADS == ["/ckpt/weights/v000005"]
     finally:
         process.terminate()

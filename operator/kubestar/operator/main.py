@@ -27,6 +27,7 @@ from typing import Any
 import kopf
 from kubestar.api.v1alpha1 import API_VERSION, GROUP, VERSION
 from kubestar.common import kube as k
+from kubestar.common.auth import namespace_token
 from kubestar.operator import metrics, rolloutfleet, sandboxpool, trainingrun
 from kubestar.operator import objects as o
 from kubestar.operator.reconciler import (
@@ -85,12 +86,17 @@ def kopf_login(connection: k.Connection) -> kopf.ConnectionInfo:
     )
 
 
-async def scheduler_probe(endpoint: str, token: str = "") -> SchedulerProbe | None:
+def _token_of(namespace: str, token: str) -> str:
+    """The namespace's token (its services refuse any other), from the installation's."""
+    return namespace_token(token, namespace) if token else ""
+
+
+async def scheduler_probe(endpoint: str, namespace: str, token: str = "") -> SchedulerProbe | None:
     """Per-engine KV capacity, why an engine was taken out, and the weights served, from the
-    fleet's scheduler (GetSchedulerStatus), asked with the installation's token."""
+    fleet's scheduler (GetSchedulerStatus), asked with its namespace's token."""
     from kubestar.scheduler.client import SchedulerClient
 
-    client = SchedulerClient(endpoint, timeout=2.0, token=token)
+    client = SchedulerClient(endpoint, timeout=2.0, token=_token_of(namespace, token))
     try:
         status = await client.status()
     finally:
@@ -103,13 +109,13 @@ async def scheduler_probe(endpoint: str, token: str = "") -> SchedulerProbe | No
 
 
 async def scheduler_restore(
-    endpoint: str, path: str, version: int, timeout: float, token: str = ""
+    endpoint: str, namespace: str, path: str, version: int, timeout: float, token: str = ""
 ) -> int:
     """Give a restarted scheduler back the weights its engines served (every engine reloads
     them, hence `timeout`); the version served after."""
     from kubestar.scheduler.client import SchedulerClient
 
-    client = SchedulerClient(endpoint, token=token)
+    client = SchedulerClient(endpoint, token=_token_of(namespace, token))
     try:
         answer = await client.update_weights(path, version, timeout=timeout, restore=True)
     finally:

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kubestar.api.v1alpha1 import API_VERSION, MODEL_MOUNT, ModelSource
-from kubestar.common.auth import ENV_TOKEN_FILE
+from kubestar.common.auth import ENV_TOKEN_FILE, namespace_token
 
 Obj = dict[str, Any]
 
@@ -197,14 +197,18 @@ ANNOTATION_AUTH = "kubestar.dev/auth-token-digest"
 
 
 def auth_secret(parent: Mapping[str, Any], name: str, component: str, token: str) -> Obj:
-    """The resource's copy of the installation's token (owned by it, like every child)."""
+    """The token of the resource's namespace, derived from the installation's `token`
+    (kubestar.common.auth.namespace_token): its pods serve and call with it, and the other
+    namespaces' services refuse it. Owned by the resource, like every child."""
+    namespace = parent["metadata"].get("namespace", "default")
+    mine = namespace_token(token, namespace)
     return with_hash(
         {
             "apiVersion": "v1",
             "kind": "Secret",
             "metadata": metadata(parent, name, component),
             "type": "Opaque",
-            "data": {AUTH_KEY: base64.b64encode(token.encode()).decode()},
+            "data": {AUTH_KEY: base64.b64encode(mine.encode()).decode()},
         }
     )
 

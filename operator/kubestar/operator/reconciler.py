@@ -99,18 +99,19 @@ class SchedulerProbe(NamedTuple):
     weights_path: str
 
 
-# Scheduler probe: endpoint -> what the scheduler says, or None.
-Probe = Callable[[str], Awaitable[SchedulerProbe | None]]
-# (endpoint, weights path, version, timeout) -> the version the scheduler serves after being
-# asked to restore those weights (UpdateWeightsRequest.restore).
-RestoreWeights = Callable[[str, str, int, float], Awaitable[int]]
+# Scheduler probe: (endpoint, the fleet's namespace, whose token it takes) -> what the
+# scheduler says, or None.
+Probe = Callable[[str, str], Awaitable[SchedulerProbe | None]]
+# (endpoint, namespace, weights path, version, timeout) -> the version the scheduler serves
+# after being asked to restore those weights (UpdateWeightsRequest.restore).
+RestoreWeights = Callable[[str, str, str, int, float], Awaitable[int]]
 
 
-async def no_probe(endpoint: str) -> SchedulerProbe | None:
+async def no_probe(endpoint: str, namespace: str) -> SchedulerProbe | None:
     return None
 
 
-async def no_restore(endpoint: str, path: str, version: int, timeout: float) -> int:
+async def no_restore(endpoint: str, namespace: str, path: str, version: int, timeout: float) -> int:
     raise RuntimeError("this operator does not talk to schedulers (--no-probe)")
 
 

@@ -195,12 +195,12 @@ async def reconcile(ctx: Context, fleet: dict[str, Any]) -> None:
             meta["name"], meta["namespace"], spec, ctx.settings
         )
         try:
-            probe = await ctx.probe(endpoint)
+            probe = await ctx.probe(endpoint, meta["namespace"])
         except Exception as error:  # the scheduler may be starting: report without capacity
             log.info("scheduler %s not answering: %s", endpoint, error)
         restore = weights_to_restore(recorded, probe)
         if restore:
-            recorded = await restore_weights(ctx, endpoint, spec, *restore)
+            recorded = await restore_weights(ctx, endpoint, meta["namespace"], spec, *restore)
     weights = served_weights(recorded, probe)
     capacities = probe.engines if probe else None
     status, ready = fleet_status(
@@ -210,14 +210,19 @@ async def reconcile(ctx: Context, fleet: dict[str, Any]) -> None:
 
 
 async def restore_weights(
-    ctx: Context, endpoint: str, spec: RolloutFleetSpec, path: str, version: int
+    ctx: Context,
+    endpoint: str,
+    namespace: str,
+    spec: RolloutFleetSpec,
+    path: str,
+    version: int,
 ) -> dict[str, Any] | None:
     """Give a restarted scheduler the weights its engines served; what status.weights keeps
     after: those (or a trainer's newer push that came first), or nothing if they cannot be
     loaded any more (their folder deleted with a finished run, say: forgotten, not retried)."""
     timeout = spec.scheduler.weights_reload_timeout_seconds + 60
     try:
-        served = await ctx.restore_weights(endpoint, path, version, timeout)
+        served = await ctx.restore_weights(endpoint, namespace, path, version, timeout)
     except Exception as error:
         log.warning("restoring weights v%d (%s) to %s failed: %s", version, path, endpoint, error)
         return None

@@ -4,8 +4,10 @@ require it of their callers when one is configured.
 A process finds the token in a file named by a flag (`--auth-token-file`) or by
 KUBESTAR_AUTH_TOKEN_FILE, or in KUBESTAR_AUTH_TOKEN itself; with none of them it neither
 requires nor sends one (a laptop's local runs). On a cluster the chart makes one random token
-per installation (a Secret) and the operator mounts it, as a file, into every pod that serves
-or calls these services.
+per installation (a Secret); the operator derives each namespace's own from it
+(`namespace_token`) and mounts that, as a file, into every pod of the namespace that serves
+or calls these services. A namespace's token opens its own services only: one tenant's
+Secrets give nothing to call another's with.
 
 Callers send `authorization: Bearer TOKEN`: gRPC metadata, or an HTTP header. Servers compare
 it in constant time and refuse anything else, gRPC with UNAUTHENTICATED, HTTP with 401; gRPC
@@ -14,6 +16,7 @@ health checks stay open to probes.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -36,8 +39,16 @@ MISSING = (
 )
 WRONG = (
     f"the bearer token is not this server's: {ENV_TOKEN_FILE} (or {ENV_TOKEN}) must hold "
-    "the installation's token (the chart's Secret)"
+    "this namespace's token (the Secret the operator made beside the resource)"
 )
+
+
+def namespace_token(token: str, namespace: str) -> str:
+    """The token of `namespace`'s services and callers: an HMAC of the namespace under the
+    installation's token (64 hex digits). Only the operator, which holds the installation's
+    token, can make it; knowing one namespace's token tells nothing of another's."""
+    message = f"kubestar.dev/namespace/{namespace}".encode()
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
 
 
 class AuthConfigError(KubestarError):

@@ -206,6 +206,7 @@ class WeightServer:
                 continue
             served += 1
             request = json.loads(self._store.get(key))
+            self._store.delete_key(key)  # a run pushes every step: the store must not grow
             if request.get("stop"):
                 return
             try:
@@ -250,6 +251,9 @@ class WeightServer:
             self.host,
             self.timeout,
         )
+        # Every engine read these before it joined the group.
+        for key in (*joined, _key(session, "manifest")):
+            self._store.delete_key(key)
         assert self._folder is not None
         for bucket in manifest["buckets"]:  # one bucket held at a time
             # The file's data section as it lies on disk: the tensors' bytes, back to back.
