@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from kubestar.common.net import free_port
 from kubestar.engine.weight_sync import (
     WeightServer,
     _weights_call,
@@ -148,3 +149,11 @@ def test_an_engine_that_never_joins_fails_its_session_alone(tmp_path: Path) -> N
         after = receive_all(server.source, new_session(), 0, 1, 1)
     assert "not all 2 engines of the session joined in time" in str(alone[0])
     assert isinstance(after[0], dict) and len(after[0]) == 4
+
+
+def test_a_source_whose_server_is_gone_fails_at_once() -> None:
+    """A restore of weights whose trainer has finished: the engine is told so at once, not
+    after the store's connection retries (it is paused meanwhile)."""
+    gone = f"broadcast://127.0.0.1:{free_port()}"
+    (refused,) = receive_all(gone, new_session(), 0, 1, 1)
+    assert isinstance(refused, RuntimeError) and "no weight server answers" in str(refused)

@@ -332,9 +332,13 @@ async def test_a_push_the_scheduler_stopped_in_the_middle_is_tried_again() -> No
     first = await start_scheduler(engines, port)
     replacement: list[SchedulerServer] = []
     retries = Retries()
+    stopped = asyncio.Event()
 
     async def back_off(seconds: float) -> None:
         if not replacement:
+            # As a pod's replacement takes the address once the old pod has let it go (the
+            # push can fail, and back off, while the old server is still stopping).
+            await stopped.wait()
             replacement.append(await start_scheduler(engines, port))
         await retries.sleep(seconds)
 
@@ -346,6 +350,7 @@ async def test_a_push_the_scheduler_stopped_in_the_middle_is_tried_again() -> No
             )
             await asyncio.gather(*(engine.reloading.wait() for engine in engines))
             await first.stop(grace_seconds=0.5)
+            stopped.set()
             answer = await asyncio.wait_for(push, 30)
             status = await client.status()
         assert retries.count == 1  # two tries

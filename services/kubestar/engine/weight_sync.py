@@ -322,6 +322,7 @@ def receive(
     import torch.distributed as dist
 
     host, port = parse_source(source)
+    _answering(host, port, source)
     wait = timedelta(seconds=timeout)
     store = dist.TCPStore(host, port, is_master=False, timeout=wait)  # type: ignore[attr-defined]
     if worker == 0:
@@ -362,6 +363,18 @@ def receive(
                 yield name, piece.view(dtype).reshape(shape)
 
     return manifest, tensors()
+
+
+def _answering(host: str, port: int, source: str) -> None:
+    """Fail at once where no server listens (a finished or restarted trainer's old address),
+    rather than after the store's connection retries: the engine is paused meanwhile."""
+    try:
+        socket.create_connection((host, port), timeout=10).close()
+    except OSError as error:
+        raise RuntimeError(
+            f"{source}: no weight server answers ({error.strerror or error}); the trainer that "
+            "served these weights has finished or moved, and its next push brings them"
+        ) from None
 
 
 class WeightSyncExtension:
