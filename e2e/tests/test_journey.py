@@ -648,7 +648,14 @@ def test_the_planes_refuse_calls_without_the_namespaces_token(
     with a wrong one or with another namespace's, and serve it with the namespace's (the
     route answers 400 to an empty body: it names no weights)."""
     pool = tools.get("sandboxpool", POOL, settings.namespace)
-    fleet = tools.get("rolloutfleet", FLEET, settings.namespace)
+
+    def fleet_ready() -> Obj | None:
+        fleet = tools.get("rolloutfleet", FLEET, settings.namespace) or {}
+        ready = condition(fleet, "Ready") or {}
+        return fleet if ready.get("status") == "True" else None
+
+    # Its engine serving (the suite may come here before the model has loaded).
+    fleet = wait_for("the fleet to be Ready", fleet_ready, timeout=600, interval=2)
     assert pool is not None and fleet is not None
     engine = tools.items(
         "pods",
