@@ -1,5 +1,8 @@
-"""Every call runs under the syscall filter (kubestar.sandbox.seccomp) with no_new_privs: what it
-refuses answers EPERM (clone3 ENOSYS), the call goes on, and the worker serves the next call.
+"""Every call runs under the syscall filter (kubestar.sandbox.seccomp) with no_new_privs, an
+allow-list: what it refuses by name answers EPERM, what is not on the list ENOSYS (clone3,
+personality but the query, sched_setaffinity, ioprio_set, ...), the call goes on, and the
+worker serves the next call; a maths call's usual work (numpy, sympy, threads, subprocesses,
+a multiprocessing pool, sockets, temporary files, sleeping, signals) runs as without it.
 
 Workers run as root and as pods run them (a non-root uid in a user namespace,
 tests.sandbox.unprivileged). A worker started with --no-syscall-filter shows what the same
@@ -17,7 +20,7 @@ from kubestar.sandbox import seccomp
 from kubestar.sandbox.client import Call, SandboxClient
 from kubestar.v1 import sandbox_pb2 as pb
 
-from tests.real_parts import missing
+from tests.real_parts import missing, require_modules
 from tests.sandbox.support import (
     TEST_PRELOAD,
     ServerProcess,
@@ -58,6 +61,21 @@ PROBES: dict[str, tuple[int, ...]] = {
     # where its uid has no mapping (clone with CLONE_NEWUSER fails there).
     "unshare": (seccomp.CLONE_NEWUSER,),
 }
+PER_BSD = 0x0006
+ADDR_NO_RANDOMIZE = 0x0040000
+IOPRIO_WHO_PROCESS = 1
+IOPRIO_IDLE = 3 << 13
+# Refused only for not being on the allow-list (ENOSYS; the kernel alone answers otherwise,
+# shown with the filter off): label -> system call and arguments. Harmless if they ran: the
+# call's own process only, or arguments the kernel refuses.
+NOT_ALLOWED_PROBES: dict[str, tuple[str, tuple[int, ...]]] = {
+    "personality(PER_BSD)": ("personality", (PER_BSD,)),
+    "personality(ADDR_NO_RANDOMIZE)": ("personality", (ADDR_NO_RANDOMIZE,)),
+    "sched_setaffinity": ("sched_setaffinity", (0, 8, 0)),  # no mask: EFAULT
+    "ioprio_set": ("ioprio_set", (IOPRIO_WHO_PROCESS, 0, IOPRIO_IDLE)),
+    "setdomainname": ("setdomainname", (0, -1)),  # a negative length: EPERM or EINVAL
+    "personality(query)": ("personality", (seccomp.PERSONALITY_QUERY,)),  # allowed
+}
 NAMESPACE_FLAGS = {
     "CLONE_NEWNS": seccomp.CLONE_NEWNS,
     "CLONE_NEWCGROUP": seccomp.CLONE_NEWCGROUP,
@@ -74,6 +92,10 @@ def probe_code() -> str:
     still runs: a thread (clone3, then clone), a process (posix_spawn: the same) and a fork."""
     try:
         numbers = {name: seccomp.syscall_number(name) for name in [*PROBES, "clone"]}
+        not_allowed = {
+            label: (seccomp.syscall_number(name), args)
+            for label, (name, args) in NOT_ALLOWED_PROBES.items()
+        }
     except seccomp.FilterUnavailable as error:
         missing(str(error))
     # clone with CLONE_NEWUSER plus each flag: without the filter the call may make them all.
@@ -98,6 +120,8 @@ for name, flags in {clones!r}.items():
     print("clone(" + name + ")", answer(pid))
 for name, args in {PROBES!r}.items():
     print(name, answer(syscall({numbers!r}[name], *args)))
+for label, (number, args) in {not_allowed!r}.items():
+    print(label, answer(syscall(number, *args)))
 ran = []
 thread = threading.Thread(target=ran.append, args=("thread",))
 thread.start()
@@ -205,6 +229,30 @@ def filtered(log_dir: Path, mode: str) -> Iterator[ServerProcess]:
     server.stop()
 
 
+def test_the_allow_list_leaves_out_what_no_call_needs() -> None:
+    allowed = {*seccomp.ALLOWED, *seccomp.ALLOWED_WITH_ARGUMENTS}
+    assert not allowed & set(seccomp.DENIED)
+    knobs = {
+        "clone3",
+        "sched_setaffinity",
+        "sched_setscheduler",
+        "sched_setattr",
+        "ioprio_set",
+        "sethostname",
+        "setdomainname",
+        "settimeofday",
+        "clock_settime",
+        "adjtimex",
+        "mbind",
+        "set_mempolicy",
+        "mq_open",
+        "io_setup",
+        "sync",
+        "syncfs",
+    }
+    assert not allowed & knobs
+
+
 def test_every_call_runs_under_the_filter_with_no_new_privs(filtered: ServerProcess) -> None:
     code = "print(open('/proc/self/status').read())"
     with SandboxClient(filtered.endpoint, timeout=60) as client:
@@ -217,9 +265,12 @@ def test_every_call_runs_under_the_filter_with_no_new_privs(filtered: ServerProc
         assert int(status["Seccomp_filters"]) >= 1, result.stdout
 
 
-def test_refused_system_calls_get_eperm_and_the_call_goes_on(filtered: ServerProcess) -> None:
+def test_refused_system_calls_fail_and_the_call_goes_on(filtered: ServerProcess) -> None:
     answers = run_probes(filtered)
-    expected = {name: "EPERM" for name in PROBES} | {"clone3": "ENOSYS"}
+    refused = errno.errorcode[seccomp.REFUSED_ERRNO]
+    assert refused == "ENOSYS"
+    expected = {name: "EPERM" for name in PROBES} | {"clone3": refused}
+    expected |= {label: refused for label in NOT_ALLOWED_PROBES} | {"personality(query)": "ok"}
     expected |= {
         f"clone(CLONE_NEWUSER{'|' + n if n else ''})": "EPERM" for n in ["", *NAMESPACE_FLAGS]
     }
@@ -242,7 +293,97 @@ def test_without_the_filter_the_kernel_answers(log_dir: Path, mode: str) -> None
     assert answers["setns"] == "EBADF"
     assert answers["ptrace"] == "ESRCH"
     assert answers["mount"] == "EFAULT"
+    assert answers["personality(PER_BSD)"] == "ok"
+    assert answers["personality(ADDR_NO_RANDOMIZE)"] == "ok"
+    assert answers["sched_setaffinity"] == "EFAULT"
+    assert answers["ioprio_set"] == "ok"
+    assert answers["setdomainname"] in ("EPERM", "EINVAL")
     # Netlink needs no privilege: the kernel makes it, here with the filter off.
     assert (sockets["AF_NETLINK"], sockets["raw(1<<32|AF_NETLINK)"]) == ("ok", "ok")
     assert sockets["AF_VSOCK"] != "EPERM"  # EAFNOSUPPORT where the kernel lacks vsock
     assert "the syscall filter is off (--no-syscall-filter)" in log
+
+
+# A maths call's usual work, each step printing `name result`; os.sched_setaffinity is the one
+# thing it asks that the filter refuses.
+WORKLOAD = r"""
+import errno, multiprocessing, os, signal, socket, subprocess, sys, tempfile, threading, time
+import numpy as np
+import sympy as sp
+
+def outcome(action):
+    try:
+        action()
+    except OSError as error:
+        return errno.errorcode[error.errno]
+    return "ran"
+
+matrix = np.arange(1.0, 10.0).reshape(3, 3) + np.eye(3)
+ones = np.ones((200, 200))
+print("numpy", round(float(np.linalg.det(matrix))), float((ones @ ones)[0, 0]))
+x = sp.symbols("x")
+print("sympy", sp.solve(x**2 - 5 * x + 6, x))
+seen = []
+threads = [threading.Thread(target=seen.append, args=(n,)) for n in range(4)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print("threads", sorted(seen))
+child = subprocess.run([sys.executable, "-c", "print(6 * 7)"], capture_output=True, text=True)
+print("subprocess", child.returncode, child.stdout.strip())
+with multiprocessing.Pool(2) as pool:
+    print("pool", pool.map(abs, [-1, -2, 3]))
+left, right = socket.socketpair(socket.AF_UNIX)
+left.sendall(b"ping")
+print("socketpair", right.recv(4).decode())
+with tempfile.TemporaryDirectory() as directory:
+    with open(os.path.join(directory, "data"), "w") as handle:
+        handle.write("1")
+    os.mkfifo(os.path.join(directory, "fifo"))
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(os.path.join(directory, "socket"))
+    listener.listen()
+    dialer = socket.socket(socket.AF_UNIX)
+    dialer.connect(os.path.join(directory, "socket"))
+    accepted, _ = listener.accept()
+    dialer.sendall(b"x")
+    print("unix_socket", accepted.recv(1).decode())
+    print("tempfile", sorted(os.listdir(directory)))
+started = time.monotonic()
+time.sleep(0.05)
+print("sleep", time.monotonic() - started >= 0.05)
+caught = []
+signal.signal(signal.SIGALRM, lambda number, frame: caught.append("SIGALRM"))
+signal.signal(signal.SIGUSR1, lambda number, frame: caught.append("SIGUSR1"))
+signal.setitimer(signal.ITIMER_REAL, 0.01)
+while not caught:
+    time.sleep(0.01)
+os.kill(os.getpid(), signal.SIGUSR1)
+print("signals", caught)
+print("nice", outcome(lambda: os.nice(0)))
+print("sched_setaffinity", outcome(lambda: os.sched_setaffinity(0, os.sched_getaffinity(0))))
+"""
+
+
+def test_a_maths_calls_usual_work_runs_under_the_filter(filtered: ServerProcess) -> None:
+    require_modules("numpy", "sympy")
+    with SandboxClient(filtered.endpoint, timeout=120) as client:
+        result = client.execute(Call(code=WORKLOAD, timeout_seconds=90))
+        assert result.status == pb.EXECUTION_STATUS_OK, result
+        assert_still_serving(client)
+    answers = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    assert answers == {
+        "numpy": "-2 200.0",
+        "sympy": "[2, 3]",
+        "threads": "[0, 1, 2, 3]",
+        "subprocess": "0 42",
+        "pool": "[1, 2, 3]",
+        "socketpair": "ping",
+        "unix_socket": "x",
+        "tempfile": "['data', 'fifo', 'socket']",
+        "sleep": "True",
+        "signals": "['SIGALRM', 'SIGUSR1']",
+        "nice": "ran",  # setpriority on itself
+        "sched_setaffinity": errno.errorcode[seccomp.REFUSED_ERRNO],
+    }, result
