@@ -191,34 +191,25 @@ def _policies(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def test_network_policies_close_every_plane() -> None:
+    """Which flows the policies admit is tests/operator/test_network_flows.py's; here, what
+    each resource makes and when."""
     settings = OperatorSettings.model_validate(
         {"networkPolicies": {"operatorNamespace": "kubestar-system"}}
     )
     pool = _policies(
         build_sandbox.children(parent("SandboxPool", "pool"), SandboxPoolSpec(), settings)
     )
+    assert set(pool) == {"pool-sandbox-worker", "pool-sandbox"}
+    # Workers: no egress at all.
     workers = pool["pool-sandbox-worker"]
     assert workers["podSelector"]["matchLabels"][o.LABEL_COMPONENT] == "sandbox-worker"
-    # No egress at all; the gRPC port only from this pool's dispatcher.
-    assert workers["policyTypes"] == ["Ingress", "Egress"] and workers["egress"] == []
-    grpc, metrics = workers["ingress"]
-    (peer,) = grpc["from"]
-    assert peer["podSelector"]["matchLabels"][o.LABEL_COMPONENT] == "sandbox-dispatcher"
-    assert peer["podSelector"]["matchLabels"][o.LABEL_INSTANCE] == "pool"
-    assert "from" not in metrics and metrics["ports"] == [{"protocol": "TCP", "port": "metrics"}]
-    dispatcher = pool["pool-sandbox"]
-    (trainers,) = dispatcher["ingress"][0]["from"]
-    assert trainers["podSelector"]["matchLabels"][o.LABEL_COMPONENT] == "trainer"
-    assert dispatcher["egress"][0]["ports"] == [{"protocol": "TCP", "port": 50052}]
+    assert workers["egress"] == []
+    assert pool["pool-sandbox"]["egress"][0]["ports"] == [{"protocol": "TCP", "port": 50052}]
 
     fleet = _policies(
         build_fleet.children(parent("RolloutFleet", "f"), RolloutFleetSpec(), settings)
     )
-    (engine_ingress,) = fleet["f-engine"]["ingress"]
-    components = {
-        peer["podSelector"]["matchLabels"][o.LABEL_COMPONENT] for peer in engine_ingress["from"]
-    }
-    assert components == {"scheduler", "trainer"}
+    assert set(fleet) == {"f-engine", "f-scheduler"}
     callers = fleet["f-scheduler"]["ingress"][0]["from"]
     assert {"matchLabels": {"kubernetes.io/metadata.name": "kubestar-system"}} in [
         peer.get("namespaceSelector") for peer in callers
@@ -226,15 +217,10 @@ def test_network_policies_close_every_plane() -> None:
 
     run_spec = tiny_run()[1]
     run = _policies(build_trainer.network_policies(parent("TrainingRun", "r"), run_spec, settings))
-    own, engines = run["r-trainer"]["ingress"]
-    (only_own,) = own["from"]
-    assert only_own["podSelector"]["matchLabels"][o.LABEL_INSTANCE] == "r"
-    # The fleet's engines, on the weights port only: they receive the broadcast weights.
-    (fleet_engines,) = engines["from"]
-    assert fleet_engines["podSelector"]["matchLabels"] == build_fleet.engine_selector(
-        run_spec.rollout_fleet_ref.name
-    )
-    assert engines["ports"] == o.tcp_ports(settings.ports.trainer_weights)
+    assert set(run) == {"r-trainer", "r-trainer-rank0"}
+    assert run["r-trainer-rank0"]["podSelector"]["matchLabels"][build_trainer.LABEL_WORKER] == "0"
+    for spec in (*pool.values(), *fleet.values(), *run.values()):
+        assert spec["policyTypes"] == ["Ingress", "Egress"]
 
     # Off, or on the host's network (where policies do not apply): none.
     for values in ({"networkPolicies": {"enabled": False}}, {"network": {"hostNetwork": True}}):
@@ -246,6 +232,14 @@ def test_network_policies_close_every_plane() -> None:
             build_fleet.children(parent("RolloutFleet", "f"), RolloutFleetSpec(), other)
         )
         assert not build_trainer.network_policies(parent("TrainingRun", "r"), run_spec, other)
+
+
+def test_the_scheduler_looks_its_api_server_up_only_by_name() -> None:
+    fleet = parent("RolloutFleet", "f")
+    for host, lookups in (("", False), ("10.0.0.1", False), ("[::1]", False), ("api.local", True)):
+        settings = OperatorSettings.model_validate({"network": {"apiServerHost": host}})
+        _, scheduler = build_fleet.network_policies(fleet, RolloutFleetSpec(), settings)
+        assert (o.DNS_EGRESS in scheduler["spec"]["egress"]) is lookups, host
 
 
 def test_host_network_is_a_setting() -> None:
@@ -430,9 +424,9 @@ def test_the_openai_port_serves_the_fleets_model_through_the_scheduler() -> None
         "http://f-scheduler.ns.svc.cluster.local:8001/v1"
     )
     # Its callers run wherever the user runs them (the API requires the token).
-    _, scheduler_policy = build_fleet.network_policies(fleet, OperatorSettings(), openai=True)
+    _, scheduler_policy = build_fleet.network_policies(fleet, spec, OperatorSettings())
     assert {"ports": [{"protocol": "TCP", "port": "openai"}]} in scheduler_policy["spec"]["ingress"]
-    _, closed = build_fleet.network_policies(fleet, OperatorSettings())
+    _, closed = build_fleet.network_policies(fleet, RolloutFleetSpec(), OperatorSettings())
     assert len(closed["spec"]["ingress"]) == 2
 
 

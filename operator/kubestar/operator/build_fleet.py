@@ -18,6 +18,7 @@ engines, which require it on every path but /health, /ping and /metrics.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping
 from importlib import resources
 from typing import Any
@@ -520,51 +521,76 @@ def scheduler_service(fleet: Mapping[str, Any], spec: RolloutFleetSpec) -> o.Obj
 
 
 def network_policies(
-    fleet: Mapping[str, Any], settings: OperatorSettings, openai: bool = False
+    fleet: Mapping[str, Any], spec: RolloutFleetSpec, settings: OperatorSettings
 ) -> list[o.Obj]:
-    """Engines: reached only by their scheduler and the namespace's trainer pods (which push
-    weights). The scheduler: reached by trainer pods and the operator (and on the metrics
-    port, and with `openai` on the OpenAI-compatible API's port, whose callers are wherever
-    the user runs them: it requires the installation's token). Egress stays open: engines
-    may fetch a model, the scheduler asks the API server for its engines."""
+    """Engines: reached by their scheduler (generation, their gauges, the weights route) and
+    by scrapers on their HTTP port (vLLM's /metrics; every other path requires the token).
+    With spec.weightSync broadcast they and the namespace's trainers (rank 0's pod, the
+    weight server) reach each other on every TCP port, both ways: each engine worker dials
+    the server's store on the weights port, then every pair of members of the session's
+    process group connects on a port one of them picked at random, which end dialling
+    depending on their addresses (gloo's pairs; NCCL's sockets alike). Nothing else: models
+    are never downloaded, and engines dial nothing by name.
+
+    The scheduler: reached by the namespace's trainers (rank 0's pod) and the operator on
+    gRPC, by scrapers on the metrics port, and with spec.scheduler.openaiPort by anyone on
+    the OpenAI-compatible API (its callers run wherever the user runs them: it requires the
+    token); reaching its engines' HTTP port and the API server (it lists its engines' pods),
+    and name lookups where the API server is given by name (network.apiServerHost)."""
     name = fleet["metadata"]["name"]
     engines = o.selector_labels("RolloutFleet", name, ENGINE)
     scheduler = o.selector_labels("RolloutFleet", name, SCHEDULER)
-    callers: list[o.Obj] = [o.trainer_pods()]
-    operator_namespace = settings.network_policies.operator_namespace
-    if operator_namespace:
-        callers.append(
-            {
-                "namespaceSelector": {
-                    "matchLabels": {"kubernetes.io/metadata.name": operator_namespace}
-                },
-                "podSelector": {
-                    "matchLabels": {o.LABEL_NAME: "kubestar", o.LABEL_COMPONENT: "operator"}
-                },
-            }
-        )
+    policies = settings.network_policies
+    scrapers = o.metrics_peers(policies.metrics_from)
+    callers: list[o.Obj] = [o.trainer_rank0_pods()]
+    if policies.operator_namespace:
+        callers.append(o.operator_pods(policies.operator_namespace))
+    broadcast = [o.pods_of(engines), o.trainer_rank0_pods()]
+    engine_ingress = [
+        {"from": [o.pods_of(scheduler)], "ports": o.tcp_ports("http")},
+        {"from": scrapers, "ports": o.tcp_ports("http")},
+    ]
+    engine_egress: list[o.Obj] = []
+    if spec.weight_sync == "broadcast":
+        engine_ingress.append({"from": broadcast, "ports": o.ALL_TCP})
+        engine_egress.append({"to": broadcast, "ports": o.ALL_TCP})
+    network = settings.network
+    scheduler_egress = [
+        {"to": [o.pods_of(engines)], "ports": o.tcp_ports("http")},
+        o.api_server_egress(policies.api_server_peers, network.api_server_port),
+    ]
+    if network.api_server_host and not is_ip_address(network.api_server_host):
+        scheduler_egress.append(o.DNS_EGRESS)
     return [
         o.network_policy(
             fleet,
-            o.child_name(name, ENGINE),
+            engine_name(name),
             ENGINE,
             engines,
-            ingress=[
-                {"from": [o.pods_of(scheduler), o.trainer_pods()], "ports": o.tcp_ports("http")}
-            ],
+            ingress=engine_ingress,
+            egress=engine_egress,
         ),
         o.network_policy(
             fleet,
-            o.child_name(name, SCHEDULER),
+            scheduler_name(name),
             SCHEDULER,
             scheduler,
             ingress=[
                 {"from": callers, "ports": o.tcp_ports("grpc")},
-                {"ports": o.tcp_ports("metrics")},
-                *([{"ports": o.tcp_ports("openai")}] if openai else []),
+                {"from": scrapers, "ports": o.tcp_ports("metrics")},
+                *([{"ports": o.tcp_ports("openai")}] if spec.scheduler.openai_port else []),
             ],
+            egress=scheduler_egress,
         ),
     ]
+
+
+def is_ip_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
 
 
 def children(
@@ -572,7 +598,7 @@ def children(
 ) -> list[o.Obj]:
     """Everything a RolloutFleet owns, in creation order."""
     policies = (
-        network_policies(fleet, settings, openai=bool(spec.scheduler.openai_port))
+        network_policies(fleet, spec, settings)
         if settings.network_policies.enabled and not settings.network.host_network
         else []
     )

@@ -338,15 +338,17 @@ def dispatcher_service(pool: Mapping[str, Any], spec: SandboxPoolSpec) -> o.Obj:
 def network_policies(
     pool: Mapping[str, Any], spec: SandboxPoolSpec, settings: OperatorSettings
 ) -> list[o.Obj]:
-    """Workers: reached only by their dispatcher (and on the metrics port), reaching
-    nothing. The dispatcher: reached by the namespace's trainer pods (and on the metrics
-    port, and with spec.httpPort on the HTTP dialects' port, whose callers are wherever the
-    user runs verl: it requires the installation's token), reaching its workers and name
-    lookups."""
+    """Workers: reached only by their dispatcher (and by scrapers on the metrics port),
+    reaching nothing: a call that escaped its executor meets a closed network. The
+    dispatcher: reached by the namespace's trainers (rank 0's pod: the agent loop's tool
+    calls), by scrapers on the metrics port, and with spec.httpPort by anyone on the HTTP
+    dialects' port (its callers are wherever the user runs verl: it requires the token);
+    reaching its workers, and name lookups (it dials them by name)."""
     name = pool["metadata"]["name"]
     workers = o.selector_labels("SandboxPool", name, WORKER)
     dispatcher = o.selector_labels("SandboxPool", name, DISPATCHER)
-    metrics = {"ports": o.tcp_ports("metrics")}
+    scrapers = o.metrics_peers(settings.network_policies.metrics_from)
+    metrics = {"from": scrapers, "ports": o.tcp_ports("metrics")}
     return [
         o.network_policy(
             pool,
@@ -362,7 +364,7 @@ def network_policies(
             DISPATCHER,
             dispatcher,
             ingress=[
-                {"from": [o.trainer_pods()], "ports": o.tcp_ports("grpc")},
+                {"from": [o.trainer_rank0_pods()], "ports": o.tcp_ports("grpc")},
                 metrics,
                 *([{"ports": o.tcp_ports("http")}] if spec.http_port else []),
             ],

@@ -30,7 +30,7 @@ from kubestar.operator.settings import OperatorSettings
 TRAINER = "trainer"
 # Job.spec.podFailurePolicy: beta and on by default from Kubernetes 1.26.
 POD_FAILURE_POLICY_SINCE = (1, 26)
-LABEL_WORKER = "kubestar.dev/trainer-worker"
+LABEL_WORKER = o.LABEL_WORKER
 
 
 def trainer_name(run: str) -> str:
@@ -484,23 +484,64 @@ def jobs(
     return [job(run, spec, fleet, pool, settings, w, server_version) for w in workers]
 
 
+def rank0_policy_name(run: str) -> str:
+    return o.child_name(run, "trainer-rank0")
+
+
 def network_policies(
     run: Mapping[str, Any], spec: TrainingRunSpec, settings: OperatorSettings
 ) -> list[o.Obj]:
-    """Trainer pods are reached only by the run's other trainer pods (the rendezvous, the
-    collectives, Ray between workers) and, on the weights port, by its fleet's engines (the
-    broadcast of new weights); none when policies are off or pods use the host's network
-    (which policies do not govern)."""
+    """Two policies; none when policies are off or pods use the host's network (which
+    policies do not govern).
+
+    `R-trainer`, every trainer pod of the run: it and the run's other trainer pods reach
+    each other on every TCP port (the rendezvous on worker 0, then the collectives'
+    connections on ports each rank picks); it reaches the API server (rank 0 patches the
+    run's status, every pod reads worker 0's address from it) and name lookups (the
+    rendezvous, the scheduler and the dispatcher are dialled by name).
+
+    `R-trainer-rank0`, worker 0's pod, where rank 0 runs the agent loop and the weight
+    server: it reaches its fleet's scheduler and its pool's dispatcher on gRPC, and it and
+    its fleet's engines reach each other on every TCP port (a weights broadcast: see
+    build_fleet.network_policies; the engines' side admits it only for a broadcast fleet).
+    The other ranks call no service: they follow rank 0's steps."""
     if not settings.network_policies.enabled or settings.network.host_network:
         return []
     name = run["metadata"]["name"]
     trainers = o.selector_labels("TrainingRun", name, TRAINER)
-    engines = build_fleet.engine_selector(spec.rollout_fleet_ref.name)
-    ingress = [
-        {"from": [o.pods_of(trainers)]},
-        {"from": [o.pods_of(engines)], "ports": o.tcp_ports(settings.ports.trainer_weights)},
+    rank0 = {**trainers, LABEL_WORKER: "0"}
+    fleet = spec.rollout_fleet_ref.name
+    engines = build_fleet.engine_selector(fleet)
+    scheduler = o.selector_labels("RolloutFleet", fleet, build_fleet.SCHEDULER)
+    dispatcher = o.selector_labels(
+        "SandboxPool", spec.sandbox_pool_ref.name, build_sandbox.DISPATCHER
+    )
+    every_port = {"ports": o.ALL_TCP}
+    api_server = o.api_server_egress(
+        settings.network_policies.api_server_peers, settings.network.api_server_port
+    )
+    return [
+        o.network_policy(
+            run,
+            trainer_name(name),
+            TRAINER,
+            trainers,
+            ingress=[{"from": [o.pods_of(trainers)], **every_port}],
+            egress=[{"to": [o.pods_of(trainers)], **every_port}, api_server, o.DNS_EGRESS],
+        ),
+        o.network_policy(
+            run,
+            rank0_policy_name(name),
+            TRAINER,
+            rank0,
+            ingress=[{"from": [o.pods_of(engines)], **every_port}],
+            egress=[
+                {"to": [o.pods_of(scheduler)], "ports": o.tcp_ports("grpc")},
+                {"to": [o.pods_of(dispatcher)], "ports": o.tcp_ports("grpc")},
+                {"to": [o.pods_of(engines)], **every_port},
+            ],
+        ),
     ]
-    return [o.network_policy(run, trainer_name(name), TRAINER, trainers, ingress=ingress)]
 
 
 def rbac(run: Mapping[str, Any]) -> list[o.Obj]:

@@ -20,6 +20,8 @@ LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_OWNER_KIND = "kubestar.dev/owner-kind"
 ANNOTATION_HASH = "kubestar.dev/spec-hash"
+# A trainer pod's worker index; worker 0 holds rank 0 (rollouts, the weight server).
+LABEL_WORKER = "kubestar.dev/trainer-worker"
 
 # Base names are short enough that every child name, a StatefulSet's pod names and the
 # controller-revision-hash label built from them stay within 63 characters.
@@ -133,24 +135,22 @@ def network_policy(
     component: str,
     pods: Mapping[str, str],
     ingress: list[Obj],
-    egress: list[Obj] | None = None,
+    egress: list[Obj],
 ) -> Obj:
-    """A NetworkPolicy for `pods` (labels): only `ingress` reaches them, and with `egress`
-    (an empty list: nothing) they reach only that. Policies add up: an admin's own (a
-    monitoring namespace scraping metrics, say) widen what these allow."""
-    spec: Obj = {
-        "podSelector": {"matchLabels": dict(pods)},
-        "policyTypes": ["Ingress", *(["Egress"] if egress is not None else [])],
-        "ingress": ingress,
-    }
-    if egress is not None:
-        spec["egress"] = egress
+    """A NetworkPolicy for `pods` (labels), isolated both ways: only `ingress` reaches them,
+    and they reach only `egress` (an empty list: nothing). Policies add up: a pod several
+    select gets what any of them allows, and an admin's own policies widen these."""
     return with_hash(
         {
             "apiVersion": "networking.k8s.io/v1",
             "kind": "NetworkPolicy",
             "metadata": metadata(parent, name, component),
-            "spec": spec,
+            "spec": {
+                "podSelector": {"matchLabels": dict(pods)},
+                "policyTypes": ["Ingress", "Egress"],
+                "ingress": ingress,
+                "egress": egress,
+            },
         }
     )
 
@@ -160,20 +160,54 @@ def pods_of(labels: Mapping[str, str]) -> Obj:
     return {"podSelector": {"matchLabels": dict(labels)}}
 
 
-def trainer_pods() -> Obj:
-    """A NetworkPolicy peer: the trainer pods of every TrainingRun of this namespace (a run
-    names its fleet and pool, so any run here may use them)."""
-    return pods_of({LABEL_NAME: "kubestar", LABEL_COMPONENT: "trainer"})
+def trainer_rank0_pods() -> Obj:
+    """A NetworkPolicy peer: the pods that hold rank 0 (worker 0) of every TrainingRun of
+    this namespace, which alone call the fleets, the pools and take part in a weights
+    broadcast (a run names its fleet and pool, so any run here may use them)."""
+    return pods_of({LABEL_NAME: "kubestar", LABEL_COMPONENT: "trainer", LABEL_WORKER: "0"})
+
+
+def operator_pods(namespace: str) -> Obj:
+    """A NetworkPolicy peer: the operator's pods in `namespace` (by the namespace's
+    kubernetes.io/metadata.name label, which Kubernetes 1.21+ sets)."""
+    return {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+        "podSelector": {"matchLabels": {LABEL_NAME: "kubestar", LABEL_COMPONENT: "operator"}},
+    }
 
 
 def tcp_ports(*ports: int | str) -> list[Obj]:
     return [{"protocol": "TCP", "port": port} for port in ports]
 
 
-# Name lookups: pods that dial children by DNS name (the sandbox dispatcher its workers).
+# Every TCP port: torch.distributed's and a weights broadcast's connections (gloo pairs,
+# NCCL's sockets) go to ports each end picks at random, in either direction.
+ALL_TCP: list[Obj] = [{"protocol": "TCP"}]
+
+# Name lookups, for pods that dial by DNS name (the trainer its fleet's scheduler, its pool's
+# dispatcher and its rendezvous; the dispatcher its workers). To any address: the cluster's
+# DNS is a Service whose endpoints may not be pods (a node-local cache, say).
 DNS_EGRESS: Obj = {
     "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
 }
+
+
+def api_server_egress(peers: list[Obj], port: int) -> Obj:
+    """Egress to the Kubernetes API server, for pods that call it. Policies see a connection
+    to the kubernetes Service after its translation, to the API server's own address and
+    port, which no pod selector names: `peers` (ipBlocks of the control plane) where the
+    admin gives them, else any address; on 443 (managed control planes), 6443 (kubeadm's)
+    and `port` (network.apiServerPort) only."""
+    rule: Obj = {"ports": tcp_ports(*sorted({443, 6443, port}))}
+    if peers:
+        rule["to"] = [dict(peer) for peer in peers]
+    return rule
+
+
+def metrics_peers(peers: list[Obj]) -> list[Obj]:
+    """Who may scrape a metrics port: `peers` (networkPolicies.metricsFrom), else the pods
+    of the policy's own namespace."""
+    return [dict(peer) for peer in peers] or [{"podSelector": {}}]
 
 
 def listen_address(host: str, port: int) -> str:

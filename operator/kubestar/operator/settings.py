@@ -151,7 +151,8 @@ class Policy(_Settings):
 
 
 class NetworkPolicies(_Settings):
-    """NetworkPolicies the operator makes beside each resource's pods (see
+    """NetworkPolicies the operator makes beside each resource's pods: each pod is isolated
+    both ways and admits exactly the flows of kubestar's data flow (see
     kubestar.operator.objects.network_policy). Not made with network.hostNetwork: a policy
     does not apply to pods on the host's network."""
 
@@ -160,6 +161,29 @@ class NetworkPolicies(_Settings):
     # their engines' KV capacity). Selected by the kubernetes.io/metadata.name label, which
     # Kubernetes 1.21+ sets on every namespace.
     operator_namespace: str = ""
+    # Who may scrape the metrics ports (sandbox workers and dispatchers, schedulers, and the
+    # engines' HTTP port, where vLLM serves /metrics): NetworkPolicy peers, e.g. a
+    # namespaceSelector of the monitoring namespace. Empty: the pods of the resource's own
+    # namespace.
+    metrics_from: list[dict[str, Any]] = Field(default_factory=list)
+    # Where the pods that call the Kubernetes API (trainers, schedulers) may reach it:
+    # NetworkPolicy peers, e.g. an ipBlock per control-plane address. Empty: any address,
+    # on the API server's ports only (443, 6443 and network.apiServerPort).
+    api_server_peers: list[dict[str, Any]] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _peers(self) -> NetworkPolicies:
+        named = {"metricsFrom": self.metrics_from, "apiServerPeers": self.api_server_peers}
+        kinds = {"podSelector", "namespaceSelector", "ipBlock"}
+        for field, peers in named.items():
+            for peer in peers:
+                keys = set(peer)
+                if not keys or keys - kinds or ("ipBlock" in keys and len(keys) > 1):
+                    raise ValueError(
+                        f"networkPolicies.{field}: {peer!r} is not a NetworkPolicy peer (a "
+                        "podSelector and/or a namespaceSelector, or an ipBlock alone)"
+                    )
+        return self
 
 
 class Auth(_Settings):
