@@ -270,7 +270,7 @@ def main() -> int:
             cluster.apply_crds()
             operator = OperatorProcess(
                 cluster.kubeconfig,
-                {"resyncSeconds": 30, "probeSchedulers": False},
+                {"resyncSeconds": 30, "probeSchedulers": False, "clusterWide": True},
                 Path(tmp) / "operator.log",
                 leader_election=True,
                 lease_namespace="default",

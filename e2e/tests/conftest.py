@@ -56,6 +56,9 @@ class Settings:
     # nodes already: the upgrade must not wait on a pull).
     upgrade_image: str = ""
     system_namespace: str = "kubestar-system"
+    # A second tenant's namespace, which the operator watches too: its pods hold that
+    # namespace's token, which the first tenant's planes refuse (and the other way round).
+    tenant_namespace: str = "kubestar-e2e-tenant"
     release: str = "kubestar"
     # Filled in as the journey goes (what to clean up, what was seen).
     installed: bool = False
@@ -114,7 +117,7 @@ def dump_diagnostics(tools: Tools, settings: Settings) -> None:
 
     save("all.txt", "get", "all,cm,sa,role,rolebinding,kubestar", "-A", "-o", "wide")
     save("events.txt", "get", "events", "-A", "--sort-by=.lastTimestamp")
-    for namespace in (settings.namespace, settings.system_namespace):
+    for namespace in (settings.namespace, settings.tenant_namespace, settings.system_namespace):
         save(f"describe-{namespace}.txt", "describe", "all,kubestar", "-n", namespace)
         pods = tools.kubectl_run(
             "get", "pods", "-n", namespace, "-o", "name", check=False, timeout=60
@@ -135,11 +138,12 @@ def dump_diagnostics(tools: Tools, settings: Settings) -> None:
 
 
 def clean_up(tools: Tools, settings: Settings) -> None:
-    """Best effort, for a journey that stopped half way: the test namespace and the release."""
+    """Best effort, for a journey that stopped half way: the test namespaces and the release."""
     tools.kubectl_run(
         "delete",
         "namespace",
         settings.namespace,
+        settings.tenant_namespace,
         "--ignore-not-found",
         "--wait=true",
         check=False,

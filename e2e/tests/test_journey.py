@@ -181,6 +181,12 @@ def run_in_dispatcher(tools: Tools, settings: Settings, script: str, timeout: fl
 @provides("chart")
 def test_helm_install_and_operator_ready(tools: Tools, settings: Settings) -> None:
     started = time.monotonic()
+    # Namespace-scoped, as the chart installs by default: a Role in each tenant's namespace,
+    # which must exist first. The closed policy is opened for one image prefix only: the
+    # unpullable image of test_image_that_cannot_be_pulled_is_a_condition.
+    tenants = (settings.namespace, settings.tenant_namespace)
+    for namespace in tenants:
+        tools.kubectl_run("create", "namespace", namespace, check=False)
     out = tools.helm(
         "install",
         settings.release,
@@ -189,6 +195,10 @@ def test_helm_install_and_operator_ready(tools: Tools, settings: Settings) -> No
         settings.system_namespace,
         "--create-namespace",
         *settings.helm_args,
+        "--set",
+        f"operator.watchNamespaces={{{','.join(tenants)}}}",
+        "--set",
+        f"policy.allowedImages={{{MISSING_IMAGE.split('/')[0]}/}}",
         "--wait",
         "--timeout",
         "5m",
@@ -385,9 +395,17 @@ asyncio.run(main())
 
 def dispatcher_metrics(tools: Tools, settings: Settings, pod: str = "") -> dict[str, float]:
     """The pool's dispatcher's counters: those of `pod`, or of a pod of its Deployment."""
+    deployment = tools.get("deployment", f"{POOL}-sandbox", settings.namespace)
+    assert deployment is not None
+    (port,) = [
+        p["containerPort"]
+        for p in deployment["spec"]["template"]["spec"]["containers"][0]["ports"]
+        if p["name"] == "metrics"
+    ]
     script = (
         "import urllib.request;"
-        "print(urllib.request.urlopen('http://127.0.0.1:9090/metrics', timeout=10).read().decode())"
+        f"print(urllib.request.urlopen('http://127.0.0.1:{port}/metrics', timeout=10)"
+        ".read().decode())"
     )
     target = f"pod/{pod}" if pod else f"deploy/{POOL}-sandbox"
     text = tools.kubectl_text(
@@ -597,8 +615,8 @@ import grpc
 from kubestar.sandbox.client import SandboxClient
 from kubestar.scheduler.client import SchedulerClient
 
-def http(url, token):
-    request = urllib.request.Request(url, data=b"{{}}", method="POST")
+def http(url, token, body=b"{{}}"):
+    request = urllib.request.Request(url, data=body)
     if token:
         request.add_header("Authorization", "Bearer " + token)
     try:
@@ -614,19 +632,25 @@ async def rpc(call):
         return error.code().name
 
 async def main():
+    targets = {targets}
     token = open("{token_file}").read().strip()
     seen = {{"token": token}}
-    tries = (("without", ""), ("wrong", "x" * 64), ("other namespace", "{other}"), ("with", token))
-    for name, given in tries:
-        sandbox = SandboxClient("127.0.0.1:{port}", timeout=60, token=given)
-        scheduler = SchedulerClient("{scheduler}", timeout=60, token=given)
-        seen[name] = {{
-            "sandbox": await rpc(sandbox.aexecute("print(1)")),
-            "scheduler": await rpc(scheduler.status()),
-            "engine": http("{engine}/kubestar/v1/weights", given),
-        }}
-        await sandbox.aclose()
-        await scheduler.close()
+    for name, given in {tries}.items():
+        given = token if given == "own" else given
+        seen[name] = answers = {{}}
+        for plane, address in targets.items():
+            if plane.endswith("sandbox"):
+                client = SandboxClient(address, timeout=60, token=given)
+                answers[plane] = await rpc(client.aexecute("print(1)"))
+                await client.aclose()
+            elif plane == "scheduler":
+                client = SchedulerClient(address, timeout=60, token=given)
+                answers[plane] = await rpc(client.status())
+                await client.close()
+            elif plane == "engine":
+                answers[plane] = http(address + "/kubestar/v1/weights", given)
+            else:  # the OpenAI port: GET /v1/models
+                answers[plane] = http(address + "/models", given, body=None)
     print(json.dumps(seen))
 
 asyncio.run(main())
@@ -639,54 +663,100 @@ def namespace_token(installation: str, namespace: str) -> str:
     return hmac.new(installation.encode(), message, hashlib.sha256).hexdigest()
 
 
+def ready_object(tools: Tools, kind: str, name: str, namespace: str) -> Obj | None:
+    found = tools.get(kind, name, namespace) or {}
+    ready = condition(found, "Ready") or {}
+    return found if ready.get("status") == "True" else None
+
+
 @needs("chart", "fleet", "pool")
-def test_the_planes_refuse_calls_without_the_namespaces_token(
-    tools: Tools, settings: Settings
-) -> None:
-    """From the dispatcher's pod, which the network lets through: the sandbox, the rollout
-    scheduler and an engine's weights route refuse a call without the namespace's token,
-    with a wrong one or with another namespace's, and serve it with the namespace's (the
-    route answers 400 to an empty body: it names no weights)."""
-    pool = tools.get("sandboxpool", POOL, settings.namespace)
-
-    def fleet_ready() -> Obj | None:
-        fleet = tools.get("rolloutfleet", FLEET, settings.namespace) or {}
-        ready = condition(fleet, "Ready") or {}
-        return fleet if ready.get("status") == "True" else None
-
-    # Its engine serving (the suite may come here before the model has loaded).
-    fleet = wait_for("the fleet to be Ready", fleet_ready, timeout=600, interval=2)
-    assert pool is not None and fleet is not None
-    engine = tools.items(
-        "pods",
-        settings.namespace,
-        f"app.kubernetes.io/instance={FLEET}",
-        "app.kubernetes.io/component=engine",
-    )[0]
-    engine_port = engine["spec"]["containers"][0]["ports"][0]["containerPort"]
-    engine_host = engine["status"].get("podIP") or "127.0.0.1"
-    # The installation's token (the chart's Secret, which only the operator mounts): the
-    # namespace's pods hold the token derived from it for their namespace, and a tenant of
-    # another namespace holds that namespace's, which these planes refuse.
+def test_tenants_are_refused_by_each_others_planes(tools: Tools, settings: Settings) -> None:
+    """Two tenants, each in a namespace of its own: from a pod of each, holding the token the
+    operator minted for its namespace, the other tenant's sandbox, rollout scheduler, engine
+    weights route and OpenAI port refuse the call, as they refuse one without a token or with
+    a wrong one, and serve one with their own namespace's token (the weights route answers
+    400 to an empty body: it names no weights)."""
+    tenant = settings.tenant_namespace
+    tools.kubectl_text("apply", "-n", tenant, "-f", str(MANIFESTS / "tenant-pool.yaml"))
+    try:
+        # Its engine serving (the suite may come here before the model has loaded).
+        fleet = wait_for(
+            "the fleet to be Ready",
+            lambda: ready_object(tools, "rolloutfleet", FLEET, settings.namespace),
+            timeout=600,
+            interval=2,
+        )
+        wait_for(
+            "the tenant's pool to be Ready",
+            lambda: ready_object(tools, "sandboxpool", "tenant-sandbox", tenant),
+            timeout=300,
+            interval=2,
+        )
+        engine = tools.items(
+            "pods",
+            settings.namespace,
+            f"app.kubernetes.io/instance={FLEET}",
+            "app.kubernetes.io/component=engine",
+        )[0]
+        engine_port = engine["spec"]["containers"][0]["ports"][0]["containerPort"]
+        engine_host = engine["status"].get("podIP") or "127.0.0.1"
+        planes = {
+            "sandbox": "127.0.0.1:50051",
+            "scheduler": fleet["status"]["schedulerEndpoint"],
+            "engine": f"http://{engine_host}:{engine_port}",
+            "openai": fleet["status"]["openaiEndpoint"],
+            "tenant sandbox": "127.0.0.1:50151",
+        }
+        token_file = "/var/run/secrets/kubestar/auth/token"
+        first = CLOSED.format(
+            targets=planes,
+            token_file=token_file,
+            tries={"without": "", "wrong": "x" * 64, "own": "own"},
+        )
+        seen = run_in_dispatcher(tools, settings, first, timeout=180)
+        output = tools.kubectl_text(
+            "exec",
+            "-n",
+            tenant,
+            "deploy/tenant-sandbox-sandbox",
+            "--",
+            "python",
+            "-c",
+            CLOSED.format(targets=planes, token_file=token_file, tries={"own": "own"}),
+            timeout=180,
+        )
+        seen_by_tenant = json.loads(output.strip().splitlines()[-1])
+    finally:
+        tools.kubectl_run(
+            "delete", "-n", tenant, "sandboxpool", "tenant-sandbox", "--wait=false", check=False
+        )
+    # The operator's tokens: each derived from the installation's (the chart's Secret, which
+    # only the operator mounts) for its namespace.
     chart_secret = tools.kubectl_json(
         "get", "secret", f"{settings.release}-auth", "-n", settings.system_namespace
     )
     installation = base64.b64decode(chart_secret["data"]["token"]).decode()
-    script = CLOSED.format(
-        port=50051,
-        token_file="/var/run/secrets/kubestar/auth/token",
-        scheduler=fleet["status"]["schedulerEndpoint"],
-        engine=f"http://{engine_host}:{engine_port}",
-        other=namespace_token(installation, "another-tenant"),
-    )
-    seen = run_in_dispatcher(tools, settings, script, timeout=180)
     assert seen.pop("token") == namespace_token(installation, settings.namespace)
-    settings.notes["planes_without_token"] = seen
-    refused = {"sandbox": "UNAUTHENTICATED", "scheduler": "UNAUTHENTICATED", "engine": 401}
+    assert seen_by_tenant.pop("token") == namespace_token(installation, tenant)
+    settings.notes["tenants"] = {"first": seen, "second": seen_by_tenant}
+    refused = {
+        "sandbox": "UNAUTHENTICATED",
+        "scheduler": "UNAUTHENTICATED",
+        "engine": 401,
+        "openai": 401,
+        "tenant sandbox": "UNAUTHENTICATED",
+    }
     assert seen["without"] == refused, seen
     assert seen["wrong"] == refused, seen
-    assert seen["other namespace"] == refused, seen
-    assert seen["with"] == {"sandbox": "OK", "scheduler": "OK", "engine": 400}, seen
+    # Each tenant is served by its own planes only.
+    assert seen["own"] == {
+        **refused,
+        "sandbox": "OK",
+        "scheduler": "OK",
+        "engine": 400,
+        "openai": 200,
+    }, seen
+    assert seen_by_tenant["own"] == {**refused, "tenant sandbox": "OK"}, seen_by_tenant
 
 
 HTTP_DIALECTS = r"""

@@ -64,6 +64,8 @@ def chart(cluster: LocalCluster) -> str:
         "--create-namespace",
         "--set",
         "operator.replicas=0",
+        "--set",
+        "operator.clusterWide=true",
         "--wait",
         "--timeout",
         "60s",
@@ -88,7 +90,15 @@ def operator(cluster: LocalCluster, chart: str, auth_token: str) -> Iterator[Ope
     token_file.write_text(auth_token)
     process = OperatorProcess(
         kubeconfig,
-        {"resyncSeconds": 2, "probeSchedulers": False, "auth": {"tokenFile": str(token_file)}},
+        {
+            "resyncSeconds": 2,
+            "probeSchedulers": False,
+            "auth": {"tokenFile": str(token_file)},
+            "clusterWide": True,
+            # Every test makes a namespace of its own; some ask for a pool without isolation
+            # or an image of their own (the closed policy has its test: test_namespaced).
+            "policy": {"allowedImages": ["*"], "allowIsolationDisabled": True},
+        },
         cluster.directory / "operator.log",
         lease_namespace=chart,
         lease_name=f"{RELEASE}-operator",

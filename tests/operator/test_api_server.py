@@ -212,6 +212,33 @@ def test_helm_lint_and_template(cluster: LocalCluster) -> None:
             "ConfigMap",
             "Service",
         } <= set(kinds)
+
+    # Namespace-scoped by default: the operator's rules are a Role in the release's namespace.
+    def operator_rules(*values: str) -> list[tuple[str, str]]:
+        sets = [arg for value in values for arg in ("--set", value)]
+        rendered = cluster.helm("template", "k", str(CHART), "-n", "sys", *sets).stdout
+        return [
+            (d["kind"], d["metadata"].get("namespace", ""))
+            for d in yaml.safe_load_all(rendered)
+            if d
+            and d["kind"] in ("Role", "ClusterRole")
+            and any("kubestar.dev" in rule.get("apiGroups", []) for rule in d["rules"])
+        ]
+
+    assert operator_rules() == [("Role", "sys")]
+    assert operator_rules("operator.watchNamespaces={a,b}") == [("Role", "a"), ("Role", "b")]
+    assert operator_rules("operator.clusterWide=true") == [("ClusterRole", "")]
+    both = cluster.helm(
+        "template",
+        "k",
+        str(CHART),
+        "--set",
+        "operator.clusterWide=true",
+        "--set",
+        "operator.watchNamespaces={a}",
+        check=False,
+    )
+    assert both.returncode != 0 and "operator.clusterWide" in both.stderr
     old = cluster.helm("template", "k", str(CHART), "--kube-version", "1.19.0", check=False)
     assert old.returncode != 0 and "kubeVersion" in old.stderr
     bad = cluster.helm("template", "k", str(CHART), "--set", "accelerator.vendor=tpu", check=False)

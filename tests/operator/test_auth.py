@@ -272,7 +272,7 @@ def test_the_chart_makes_a_random_token_and_mounts_it_into_the_operator(tmp_path
     assert settings["auth"] == {"tokenFile": "/var/run/secrets/kubestar/auth/token"}
     OperatorSettings.model_validate(settings)
     (role,) = [
-        d for d in docs if d["kind"] == "ClusterRole" and "discovery" not in d["metadata"]["name"]
+        d for d in docs if d["kind"] == "Role" and d["metadata"]["name"].endswith("-operator")
     ]
     secrets = [rule for rule in role["rules"] if "secrets" in rule["resources"]]
     assert secrets == [

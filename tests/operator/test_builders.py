@@ -253,6 +253,43 @@ def test_host_network_is_a_setting() -> None:
     assert fleet["spec"]["template"]["spec"]["hostNetwork"] is True
 
 
+def metrics_ports(obj: dict[str, Any]) -> list[int]:
+    return [
+        port["containerPort"]
+        for container in containers(obj)
+        for port in container.get("ports", [])
+        if port["name"] == "metrics"
+    ]
+
+
+def test_pools_and_fleets_on_the_hosts_network_get_metrics_ports_of_their_own() -> None:
+    """On the host's network two pools (and two fleets' schedulers) of a node would share
+    one metrics port, and the second pod would not start: each takes its serving port's."""
+
+    def ports(settings: OperatorSettings) -> list[int]:
+        found = []
+        for port in (50051, 50151):
+            pool = parent("SandboxPool", f"p{port}")
+            spec = SandboxPoolSpec(port=port)
+            found += metrics_ports(build_sandbox.worker_statefulset(pool, spec, settings))
+            found += metrics_ports(build_sandbox.dispatcher_deployment(pool, spec, settings))
+        for port in (50061, 50071):
+            fleet = parent("RolloutFleet", f"f{port}")
+            spec_f = RolloutFleetSpec.model_validate({"scheduler": {"port": port}})
+            found += metrics_ports(build_fleet.scheduler_deployment(fleet, spec_f, settings))
+        return found
+
+    host = ports(OperatorSettings.model_validate({"network": {"hostNetwork": True}}))
+    assert host == [51052, 51051, 51152, 51151, 51061, 51071]
+    defaults = OperatorSettings().ports
+    pods = ports(OperatorSettings())
+    assert set(pods) == {
+        defaults.sandbox_worker_metrics,
+        defaults.sandbox_dispatcher_metrics,
+        defaults.scheduler_metrics,
+    }
+
+
 @pytest.mark.parametrize(
     ("accelerator", "resource", "image"),
     [
@@ -733,6 +770,10 @@ def test_sandbox_workers_carry_the_isolation_setting() -> None:
     # Why a worker could not start (one line) reaches the pod's status.
     assert _flag(required["command"], "--termination-log") == required["terminationMessagePath"]
     assert required["terminationMessagePolicy"] == "File"
+    # Its calls' uids are a range of the pod's own (the kernel's per-uid counts are node-wide).
+    assert _flag(required["command"], "--uid-range-key") == "$(POD_UID)"
+    pod_uid = {"name": "POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}
+    assert pod_uid in required["env"]
 
     disabled = SandboxPoolSpec.model_validate({"isolation": "Disabled"})
     worker = containers(build_sandbox.worker_statefulset(pool, disabled, settings))[0]

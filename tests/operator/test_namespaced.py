@@ -98,7 +98,8 @@ def test_a_namespaced_install_reconciles_only_its_namespaces(
             "resyncSeconds": 2,
             "probeSchedulers": False,
             "namespaces": [team],
-            "policy": {"allowedImages": ["kubestar:"], "allowedRuntimeClasses": ["gvisor"]},
+            # The chart's default policy (closed) but for one runtime class.
+            "policy": {"allowedRuntimeClasses": ["gvisor"]},
         },
         cluster.directory / "scoped-operator.log",
         lease_namespace=SYSTEM,
@@ -118,16 +119,20 @@ def test_a_namespaced_install_reconciles_only_its_namespaces(
         assert api.items(apis("apps/v1", other, "statefulsets")) == []
         assert "403" not in operator.log.read_text()
 
-        # The admin's policy: an image or runtime class it does not allow is refused, naming
-        # the field, and gets no pods; the chart's own image (an empty field) is allowed.
+        # The admin's policy, closed by default: an image, a runtime class or a pool without
+        # isolation it does not allow is refused, naming the field, and gets no pods; the
+        # installation's own image (an empty field) and a listed runtime class are allowed.
         miner = example("SandboxPool", "miner")
         miner["spec"]["image"] = "someone/miner:1"
-        gvisor = example("SandboxPool", "kata")
-        gvisor["spec"]["runtimeClassName"] = "kata"
+        kata = example("SandboxPool", "kata")
+        kata["spec"]["runtimeClassName"] = "kata"
+        open_pool = example("SandboxPool", "open")
+        open_pool["spec"]["isolation"] = "Disabled"
         fleet = example("RolloutFleet", "fleet")
         fleet["spec"].setdefault("engine", {})["image"] = "someone/vllm:1"
         api.create(kubestar(team, "sandboxpools"), miner)
-        api.create(kubestar(team, "sandboxpools"), gvisor)
+        api.create(kubestar(team, "sandboxpools"), kata)
+        api.create(kubestar(team, "sandboxpools"), open_pool)
         api.create(kubestar(team, "rolloutfleets"), fleet)
 
         def ready(plural: str, name: str) -> dict[str, Any] | None:
@@ -136,12 +141,14 @@ def test_a_namespaced_install_reconciles_only_its_namespaces(
         for plural, name, field in (
             ("sandboxpools", "miner", "spec.image 'someone/miner:1'"),
             ("sandboxpools", "kata", "spec.runtimeClassName 'kata'"),
+            ("sandboxpools", "open", "spec.isolation Disabled"),
             ("rolloutfleets", "fleet", "spec.engine.image 'someone/vllm:1'"),
         ):
             verdict = wait_for(f"{name} refused", lambda: ready(plural, name))  # noqa: B023
             assert verdict["reason"] == "InvalidSpec", verdict
             assert verdict["message"].startswith(f"{field} is not allowed"), verdict["message"]
         assert api.get(apis("apps/v1", team, "statefulsets", "miner-sandbox-worker")) is None
+        assert api.get(apis("apps/v1", team, "statefulsets", "open-sandbox-worker")) is None
         assert api.get(apis("apps/v1", team, "deployments", "fleet-engine")) is None
     finally:
         operator.stop()

@@ -74,16 +74,51 @@ def test_every_default_image_names_a_version() -> None:
     jsonschema.validate({**values, "images": pinned}, schema)
 
 
-def test_policy_allows_by_image_prefix_and_runtime_class_name() -> None:
+def test_policy_is_closed_by_default_and_opened_by_values() -> None:
     from kubestar.operator.settings import Policy
 
-    anything = Policy()
-    assert anything.refusal("spec.image", image="any/image:1") is None
-    policy = Policy(allowed_images=["myorg/"], allowed_runtime_classes=["gvisor"])
-    assert policy.refusal("spec.image", image="myorg/kubestar:2") is None
-    assert policy.refusal("spec.image", image="") is None  # the chart's own
-    refused = policy.refusal("spec.engine.image", image="myorgx/vllm:1")
-    assert refused is not None and refused.startswith("spec.engine.image 'myorgx/vllm:1'")
-    assert policy.refusal("spec.runtimeClassName", runtime_class="gvisor") is None
-    refused = policy.refusal("spec.runtimeClassName", runtime_class="runc")
+    closed = OperatorSettings()
+    own = closed.images.kubestar
+    assert closed.refusal("spec.image", image="") is None  # the installation's own
+    assert closed.refusal("spec.image", image=own) is None
+    refused = closed.refusal("spec.engine.image", image="any/image:1")
+    assert refused is not None and refused.startswith("spec.engine.image 'any/image:1'")
+    assert "policy.allowedImages: none" in refused
+    refused = closed.refusal("spec.runtimeClassName", runtime_class="gvisor")
+    assert refused is not None and refused.startswith("spec.runtimeClassName 'gvisor'")
+    refused = closed.refusal("spec.isolation", isolation="Disabled")
+    assert refused is not None and "policy.allowIsolationDisabled" in refused
+    assert closed.refusal("spec.isolation", isolation="Required") is None
+    gvisor_default = OperatorSettings.model_validate({"sandbox": {"runtimeClassName": "gvisor"}})
+    assert gvisor_default.refusal("spec.runtimeClassName", runtime_class="gvisor") is None
+
+    listed = OperatorSettings(
+        policy=Policy(allowed_images=["myorg/"], allowed_runtime_classes=["gvisor"])
+    )
+    assert listed.refusal("spec.image", image="myorg/kubestar:2") is None
+    refused = listed.refusal("spec.engine.image", image="myorgx/vllm:1")
+    assert refused is not None and "policy.allowedImages: myorg/" in refused
+    assert listed.refusal("spec.runtimeClassName", runtime_class="gvisor") is None
+    refused = listed.refusal("spec.runtimeClassName", runtime_class="runc")
     assert refused is not None and "policy.allowedRuntimeClasses: gvisor" in refused
+
+    opened = OperatorSettings.model_validate(
+        {
+            "policy": {
+                "allowedImages": ["*"],
+                "allowedRuntimeClasses": ["*"],
+                "allowIsolationDisabled": True,
+            }
+        }
+    )
+    assert opened.refusal("spec.image", image="any/image:1") is None
+    assert opened.refusal("spec.runtimeClassName", runtime_class="kata") is None
+    assert opened.refusal("spec.isolation", isolation="Disabled") is None
+
+
+def test_the_operator_watches_named_namespaces_or_every_one_when_told() -> None:
+    assert OperatorSettings().scope_problem() is not None
+    assert OperatorSettings(namespaces=["team"]).scope_problem() is None
+    assert OperatorSettings(cluster_wide=True).scope_problem() is None
+    with pytest.raises(ValidationError, match="namespaces or clusterWide"):
+        OperatorSettings.model_validate({"namespaces": ["team"], "clusterWide": True})

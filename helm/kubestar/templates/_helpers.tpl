@@ -34,8 +34,8 @@ app.kubernetes.io/component: operator
 
 {{/*
 What the operator may do with the resources it reconciles and their children: one list of
-rules, a ClusterRole when it watches every namespace, else a Role in each namespace of
-operator.watchNamespaces (and nothing beyond them).
+rules, a ClusterRole when it watches every namespace (operator.clusterWide), else a Role in
+each namespace it watches (and nothing beyond them).
 */}}
 {{- define "kubestar.operatorRules" }}
 - apiGroups: ["kubestar.dev"]
@@ -83,4 +83,19 @@ The Secret that holds the installation's bearer token (key `token`).
 */}}
 {{- define "kubestar.authSecretName" -}}
 {{- default (printf "%s-auth" (include "kubestar.fullname" .)) .Values.auth.existingSecret -}}
+{{- end -}}
+
+{{/*
+The namespaces the operator watches, as JSON: none with operator.clusterWide (every
+namespace), else operator.watchNamespaces, else the release's own namespace.
+*/}}
+{{- define "kubestar.watchNamespaces" -}}
+{{- if .Values.operator.clusterWide -}}
+{{- if .Values.operator.watchNamespaces -}}
+{{- fail "operator.clusterWide watches every namespace: leave operator.watchNamespaces empty, or set clusterWide false" -}}
+{{- end -}}
+{{- list | toJson -}}
+{{- else -}}
+{{- default (list .Release.Namespace) .Values.operator.watchNamespaces | toJson -}}
+{{- end -}}
 {{- end -}}

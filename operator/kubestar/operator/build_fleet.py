@@ -329,7 +329,7 @@ def engine_modules_config(fleet: Mapping[str, Any], auth: bool = True) -> o.Obj:
 
 def spec_problem(spec: RolloutFleetSpec, settings: OperatorSettings) -> str | None:
     """Why this installation cannot run the fleet as written, or None."""
-    refused = settings.policy.refusal("spec.engine.image", image=spec.engine.image)
+    refused = settings.refusal("spec.engine.image", image=spec.engine.image)
     if refused:
         return refused
     if spec.weight_sync == "volume" and not settings.trainer.shared_checkpoints.enabled:
@@ -392,7 +392,7 @@ def scheduler_deployment(
     meta = fleet["metadata"]
     name = meta["name"]
     port = spec.scheduler.port
-    metrics = settings.ports.scheduler_metrics
+    metrics = settings.metrics_port(settings.ports.scheduler_metrics, port)
     selector = ",".join(f"{k}={v}" for k, v in engine_selector(name).items())
     container: o.Obj = {
         "name": "scheduler",

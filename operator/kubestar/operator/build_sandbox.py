@@ -186,7 +186,7 @@ def worker_statefulset(
 ) -> o.Obj:
     name = pool["metadata"]["name"]
     port = worker_port(spec)
-    metrics = settings.ports.sandbox_worker_metrics
+    metrics = settings.metrics_port(settings.ports.sandbox_worker_metrics, port)
     bind = settings.network.bind_address
     args = [
         "--listen",
@@ -205,7 +205,14 @@ def worker_statefulset(
     ]
     if spec.isolation == "Disabled":
         args.append("--no-isolation")
+    else:
+        # Each pod's calls run as uids of its own: the kernel's per-uid limits are node-wide.
+        args += ["--uid-range-key", "$(POD_UID)"]
     container = _container("worker", spec, settings, args, port, metrics)
+    if spec.isolation != "Disabled":
+        container["env"].append(
+            {"name": "POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}
+        )
     container["securityContext"] = _worker_security(spec, settings)
     limits = {"ephemeral-storage": EPHEMERAL_STORAGE_LIMIT, **spec.resources.limits}
     container["resources"] = o.resources(spec.resources.requests, limits)
@@ -259,7 +266,7 @@ def dispatcher_deployment(
 ) -> o.Obj:
     meta = pool["metadata"]
     name = meta["name"]
-    metrics = settings.ports.sandbox_dispatcher_metrics
+    metrics = settings.metrics_port(settings.ports.sandbox_dispatcher_metrics, spec.port)
     bind = settings.network.bind_address
     args = ["--listen", o.listen_address(bind, spec.port)]
     for address in worker_addresses(name, meta.get("namespace", "default"), spec, settings):

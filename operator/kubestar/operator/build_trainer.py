@@ -139,7 +139,7 @@ def shares_checkpoints(spec: TrainingRunSpec, settings: OperatorSettings) -> boo
 
 def spec_problem(spec: TrainingRunSpec, settings: OperatorSettings) -> str | None:
     """Why this installation cannot run the spec as written, or None."""
-    refused = settings.policy.refusal("spec.trainer.image", image=spec.trainer.image)
+    refused = settings.refusal("spec.trainer.image", image=spec.trainer.image)
     if refused:
         return refused
     shared = shares_checkpoints(spec, settings) or spec.checkpoint.pvc_claim_name

@@ -286,7 +286,7 @@ class Runtime:
         try:
             await kopf.operator(
                 registry=self.registry(),
-                clusterwide=not namespaces,
+                clusterwide=self.settings.cluster_wide,
                 namespaces=namespaces,
                 standalone=True,
                 stop_flag=stop_flag,

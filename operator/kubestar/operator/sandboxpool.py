@@ -97,9 +97,11 @@ async def reconcile(ctx: Context, pool: dict[str, Any]) -> None:
         )
         await ctx.set_conditions(pool, [invalid], {"observedGeneration": generation})
         return
-    policy = ctx.settings.policy
-    refused = policy.refusal("spec.image", image=spec.image) or policy.refusal(
-        "spec.runtimeClassName", runtime_class=spec.runtime_class_name or ""
+    settings = ctx.settings
+    refused = (
+        settings.refusal("spec.image", image=spec.image)
+        or settings.refusal("spec.runtimeClassName", runtime_class=spec.runtime_class_name or "")
+        or settings.refusal("spec.isolation", isolation=spec.isolation)
     )
     if refused:
         invalid = condition(ConditionType.READY, False, Reason.INVALID_SPEC, refused, generation)

@@ -4,6 +4,7 @@ with pod networking and the published images."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,6 +28,11 @@ class Images(_Settings):
     engine_cuda: str = "vllm/vllm-openai:v0.32.0"
     pull_policy: str = "IfNotPresent"
 
+    @property
+    def own(self) -> tuple[str, ...]:
+        """The installation's own images, which every policy allows."""
+        return (self.kubestar, self.engine_cpu, self.engine_rocm, self.engine_cuda)
+
 
 class Network(_Settings):
     # Pods on the node's network: for clusters without pod networking (a single-node test
@@ -45,6 +51,11 @@ class Network(_Settings):
     @property
     def loopback_only(self) -> bool:
         return self.bind_address in ("127.0.0.1", "localhost", "::1")
+
+
+# On the host's network every pod of a node shares its ports: a pod's metrics port is then its
+# serving port plus this, distinct for each pool and fleet as their serving ports must be.
+HOST_NETWORK_METRICS_OFFSET = 1000
 
 
 class Ports(_Settings):
@@ -123,31 +134,57 @@ class TrainerDefaults(_Settings):
     shared_checkpoints: SharedCheckpoints = Field(default_factory=SharedCheckpoints)
 
 
+# In a policy list: anything at all.
+ANY = "*"
+
+
 class Policy(_Settings):
-    """What the admin allows the resources to ask for (empty: anything). The chart's own
-    images and its default runtime class are always allowed."""
+    """What a tenant's spec may ask for beyond the installation's defaults. Closed by default:
+    the installation's own images and default runtime class only, and no pool without
+    isolation. An administrator opens each by a value (ANY in a list allows anything)."""
 
-    # Image name prefixes, e.g. "myorg/" or "myorg/kubestar:".
+    # Image name prefixes a spec may name, e.g. "myorg/" or "myorg/kubestar:".
     allowed_images: list[str] = Field(default_factory=list)
+    # RuntimeClass names a SandboxPool may name, e.g. "gvisor".
     allowed_runtime_classes: list[str] = Field(default_factory=list)
+    # Whether a SandboxPool may set isolation: Disabled (its calls then reach what the worker
+    # reaches: for development clusters with one tenant).
+    allow_isolation_disabled: bool = False
 
-    def refusal(self, field: str, image: str = "", runtime_class: str = "") -> str | None:
-        """Why a spec's image or runtime class is not allowed here (naming the field), or
-        None."""
-        if image and self.allowed_images and not image.startswith(tuple(self.allowed_images)):
-            return (
-                f"{field} {image!r} is not allowed by this installation (the chart's "
-                f"policy.allowedImages: {', '.join(self.allowed_images)}); use an allowed image "
-                "or leave the field empty for the chart's own"
-            )
+    def image_refusal(self, field: str, image: str, own: Collection[str]) -> str | None:
+        """Why `image` (a spec's `field`) is not allowed here, or None: empty, one of the
+        installation's `own` images, or under an allowed prefix."""
+        allowed = self.allowed_images
+        if not image or image in own or ANY in allowed or image.startswith(tuple(allowed)):
+            return None
+        return (
+            f"{field} {image!r} is not allowed by this installation (the chart's "
+            f"policy.allowedImages: {_listed(allowed)}); use an allowed image or leave the "
+            "field empty for the installation's own"
+        )
+
+    def runtime_class_refusal(self, field: str, name: str, default: str) -> str | None:
         allowed = self.allowed_runtime_classes
-        if runtime_class and allowed and runtime_class not in allowed:
-            return (
-                f"{field} {runtime_class!r} is not allowed by this installation (the chart's "
-                f"policy.allowedRuntimeClasses: {', '.join(allowed)}); use one of them or leave "
-                "the field empty for the chart's default"
-            )
-        return None
+        if not name or name == default or ANY in allowed or name in allowed:
+            return None
+        return (
+            f"{field} {name!r} is not allowed by this installation (the chart's "
+            f"policy.allowedRuntimeClasses: {_listed(allowed)}); use one of them or leave the "
+            "field empty for the installation's default"
+        )
+
+    def isolation_refusal(self, field: str, isolation: str) -> str | None:
+        if isolation != "Disabled" or self.allow_isolation_disabled:
+            return None
+        return (
+            f"{field} Disabled is not allowed by this installation (the chart's "
+            "policy.allowIsolationDisabled is false): calls without isolation reach what the "
+            "worker reaches; use Required"
+        )
+
+
+def _listed(values: list[str]) -> str:
+    return ", ".join(values) if values else "none"
 
 
 class NetworkPolicies(_Settings):
@@ -216,12 +253,49 @@ class OperatorSettings(_Settings):
     policy: Policy = Field(default_factory=Policy)
     network_policies: NetworkPolicies = Field(default_factory=NetworkPolicies)
     auth: Auth = Field(default_factory=Auth)
-    # Namespaces to watch; empty: all (cluster-wide).
+    # Namespaces to watch (the operator needs permissions in these only), or, with
+    # cluster_wide, every namespace: one of the two is required to run.
     namespaces: list[str] = Field(default_factory=list)
+    cluster_wide: bool = False
     # Every resource is reconciled at least this often (children are also watched).
     resync_seconds: float = Field(30.0, gt=0)
     # Ask each fleet's scheduler for its engines' KV capacity (GetSchedulerStatus).
     probe_schedulers: bool = True
+
+    @model_validator(mode="after")
+    def _scope(self) -> OperatorSettings:
+        if self.cluster_wide and self.namespaces:
+            raise ValueError("set namespaces or clusterWide, not both")
+        return self
+
+    def scope_problem(self) -> str | None:
+        """Why an operator with these settings has nothing to watch, or None."""
+        if self.namespaces or self.cluster_wide:
+            return None
+        return (
+            "no namespaces to watch: name them (settings namespaces, or --namespace), or set "
+            "clusterWide: true (--cluster-wide) to watch every namespace"
+        )
+
+    def metrics_port(self, port: int, serving_port: int) -> int:
+        """The metrics port of a pod that serves on `serving_port`: `port` (one of
+        ports.*Metrics), or on the host's network serving_port + HOST_NETWORK_METRICS_OFFSET."""
+        if self.network.host_network:
+            return serving_port + HOST_NETWORK_METRICS_OFFSET
+        return port
+
+    def refusal(
+        self, field: str, *, image: str = "", runtime_class: str = "", isolation: str = ""
+    ) -> str | None:
+        """Why the policy does not allow what a spec's `field` asks for, or None."""
+        policy = self.policy
+        if image:
+            return policy.image_refusal(field, image, self.images.own)
+        if runtime_class:
+            return policy.runtime_class_refusal(
+                field, runtime_class, self.sandbox.runtime_class_name
+            )
+        return policy.isolation_refusal(field, isolation)
 
     @classmethod
     def load(cls, path: str | Path | None) -> OperatorSettings:

@@ -20,7 +20,12 @@ def operator() -> None:
 @operator.command("run")
 @click.option("--config", "config_path", default="", help="Operator settings (YAML).")
 @click.option("--kubeconfig", default="", help="Default: $KUBECONFIG, else in-cluster.")
-@click.option("--namespace", "namespaces", multiple=True, help="Watch only these (repeatable).")
+@click.option("--namespace", "namespaces", multiple=True, help="Watch these (repeatable).")
+@click.option(
+    "--cluster-wide",
+    is_flag=True,
+    help="Watch every namespace (the operator then needs a ClusterRole).",
+)
 @click.option("--metrics-port", default=8080, show_default=True, help="0: off.")
 @click.option("--metrics-address", default="0.0.0.0", show_default=True)
 @click.option("--health-port", default=8081, show_default=True, help="Liveness probe; 0: off.")
@@ -47,6 +52,7 @@ def run_command(
     config_path: str,
     kubeconfig: str,
     namespaces: tuple[str, ...],
+    cluster_wide: bool,
     metrics_port: int,
     metrics_address: str,
     health_port: int,
@@ -75,6 +81,14 @@ def run_command(
         )
     if namespaces:
         settings.namespaces = list(namespaces)
+    settings.cluster_wide = settings.cluster_wide or cluster_wide
+    problem = settings.scope_problem() or (
+        "give --namespace or --cluster-wide, not both"
+        if settings.namespaces and settings.cluster_wide
+        else None
+    )
+    if problem:
+        raise click.UsageError(problem)
     connection = kube.connect(kubeconfig or None)
     if metrics_port:
         start_metrics_server(metrics_port, metrics_address)
