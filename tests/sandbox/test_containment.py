@@ -16,8 +16,11 @@ from pathlib import Path
 
 import pytest
 from kubestar.sandbox.client import Call, SandboxClient
+from kubestar.sandbox.executor import UID_RANGE_SIZE, uid_base_for
+from kubestar.sandbox.limits import LimitPolicy
 from kubestar.v1 import sandbox_pb2 as pb
 
+from tests.real_parts import require_root
 from tests.sandbox.support import (
     WORKER_MODES,
     ServerProcess,
@@ -247,3 +250,98 @@ def test_a_call_finds_no_ipc_objects_an_earlier_call_left(
     assert same, [result.executor for result in listings]
     for result in listings:
         assert (result.status, result.stdout) == (OK, "[]\n"), result
+
+
+def capabilities(pid: int) -> tuple[int, int]:
+    """A process's effective and permitted capability sets."""
+    fields = dict(
+        line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    return int(fields["CapEff"], 16), int(fields["CapPrm"], 16)
+
+
+def test_zygotes_give_up_cap_sys_admin_once_isolated(isolated_worker: ServerProcess) -> None:
+    """CAP_SYS_ADMIN makes the namespaces and mounts; the zygotes that serve the calls hold
+    it no longer (a root zygote keeps what it serves with: CAP_SETUID, CAP_KILL, ...), and
+    still empty what calls leave (test_a_call_finds_no_ipc_objects_an_earlier_call_left)."""
+    sys_admin, setuid = 1 << 21, 1 << 7
+    zygotes = [
+        pid
+        for pid in worker_processes(isolated_worker)
+        if b"zygote.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    assert len(zygotes) >= EXECUTORS, zygotes
+    root = capabilities(isolated_worker.pid)[0] & sys_admin  # the worker keeps it
+    for pid in zygotes:
+        effective, permitted = capabilities(pid)
+        assert not effective & sys_admin and not permitted & sys_admin, (pid, hex(permitted))
+        if root:
+            assert effective & setuid, (pid, hex(effective))
+
+
+HOLD_EVERY_PROCESS = """
+import os, time
+while True:
+    try:
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+    except BlockingIOError:
+        break
+time.sleep(60)
+"""
+FORK_ONCE = """
+import os
+try:
+    pid = os.fork()
+except BlockingIOError:
+    print("refused")
+else:
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    print("forked", os.getuid())
+"""
+
+
+def processes_of(uids: range) -> int:
+    count = 0
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                status = (entry / "status").read_text()
+            except OSError:
+                continue
+            real_uid = int(status.split("\nUid:\t", 1)[1].split()[0])
+            count += real_uid in uids
+    return count
+
+
+def test_pods_count_their_calls_processes_apart(log_dir: Path) -> None:
+    """The kernel counts processes per uid across the node: a call holding every process its
+    limit allows starves the calls of another pod whose calls share its uids, and not those
+    of a pod with a uid range of its own (--uid-range-key, the pod's UID)."""
+    require_root("per-uid counts apart: the calls' uids are set only by a root worker")
+    servers: list[ServerProcess] = []
+    try:
+        for key in ("pod-a", "pod-b", "pod-a"):
+            servers.append(start_worker(log_dir, "root", "--uid-range-key", key, executors=1))
+        holder, apart, shared = servers
+        held_uids = range(uid_base_for("pod-a"), uid_base_for("pod-a") + UID_RANGE_SIZE)
+        apart_uids = range(uid_base_for("pod-b"), uid_base_for("pod-b") + UID_RANGE_SIZE)
+        with (
+            ThreadPoolExecutor(1) as background,
+            SandboxClient(holder.endpoint, timeout=60) as holding,
+        ):
+            held = background.submit(holding.execute, Call(HOLD_EVERY_PROCESS, timeout_seconds=8))
+            limit = LimitPolicy().max_processes
+            wait_for(lambda: processes_of(held_uids) >= limit, timeout=8)
+            with SandboxClient(apart.endpoint, timeout=60) as client:
+                answer = client.execute(FORK_ONCE).stdout.split()
+            assert answer[0] == "forked" and int(answer[1]) in apart_uids, answer
+            with SandboxClient(shared.endpoint, timeout=60) as client:
+                assert client.execute(FORK_ONCE).stdout == "refused\n"
+            assert held.result().status == pb.EXECUTION_STATUS_TIMEOUT
+    finally:
+        for server in servers:
+            server.stop()

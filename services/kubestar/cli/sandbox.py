@@ -17,7 +17,7 @@ from kubestar.common import logs
 from kubestar.common.auth import load_token
 from kubestar.common.errors import KubestarError
 from kubestar.sandbox.client import Call, SandboxClient, result_to_dict
-from kubestar.sandbox.executor import DEFAULT_WARMUP, ExecutorConfig
+from kubestar.sandbox.executor import DEFAULT_WARMUP, UID_RANGE_SIZE, ExecutorConfig, uid_base_for
 from kubestar.sandbox.limits import CallLimits, LimitPolicy, MiB
 from kubestar.sandbox.metrics import status_label
 from kubestar.sandbox.server import ServerConfig, serve
@@ -87,6 +87,13 @@ def sandbox() -> None:
     help="As root, executor i of N runs calls as uid UID_BASE+i, its light zygote as UID_BASE+N+i.",
 )
 @click.option(
+    "--uid-range-key",
+    default="",
+    help="As root, take the uid base from this key (the pod's UID) instead of --uid-base: "
+    "pods of a node then run their calls as uids of their own, and the kernel's per-uid "
+    "limits (processes, message queues, signals) count each pod's calls apart.",
+)
+@click.option(
     "--drain-seconds",
     default=30.0,
     show_default=True,
@@ -145,6 +152,7 @@ def serve_command(
     no_syscall_filter: bool,
     hide: tuple[str, ...],
     uid_base: int,
+    uid_range_key: str,
     drain_seconds: float,
     termination_log: str | None,
     http_listen: str,
@@ -166,6 +174,11 @@ def serve_command(
         if termination_log:
             write_termination_message(termination_log, error)
         raise
+    if uid_range_key and executors * 2 > UID_RANGE_SIZE:
+        raise click.UsageError(
+            f"--executors {executors} with --uid-range-key: a pod's range holds "
+            f"{UID_RANGE_SIZE // 2} executors' uids at most"
+        )
     modules = tuple(m for m in preload.split(",") if m)
     if termination_log:
         Path(termination_log).touch()  # there to hide from calls
@@ -176,7 +189,7 @@ def serve_command(
         light=light,
         isolation=not no_isolation,
         syscall_filter=not no_syscall_filter,
-        uid_base=uid_base,
+        uid_base=uid_base_for(uid_range_key) if uid_range_key else uid_base,
         # Calls must not write the message the operator shows (it would forge a refusal).
         hidden_paths=(*hide, *([termination_log] if termination_log else [])),
         policy=policy,

@@ -426,9 +426,15 @@ static void empty_directory(const private_dir_t *dir) {
 /* Remove every System V shared memory segment, message queue and semaphore set: a call
  * must not find what the one before it left (they live in the executor's IPC namespace,
  * not in its files). One *_INFO call each when there are none, as after most calls.
- * Removing takes ownership or CAP_SYS_ADMIN: the zygote is the calls' uid in a user
- * namespace, or root with CAP_SYS_ADMIN. */
-static void remove_ipc_objects(void) {
+ * Removing takes the creator's uid or CAP_SYS_ADMIN, which a root zygote no longer holds
+ * (isolation.py drops it): every object here was made by a call, so a root zygote removes
+ * them as the calls' uid (its effective uid alone: real and saved stay root, so no call can
+ * signal or trace it meanwhile). Not root, the zygote is the calls' uid already. */
+static void remove_ipc_objects(uid_t call_uid) {
+    int as_calls = call_uid != 0 && geteuid() == 0;
+    if (as_calls && seteuid(call_uid) != 0) {
+        return;
+    }
     struct shm_info shm_usage;
     int highest = shmctl(0, SHM_INFO, (struct shmid_ds *)&shm_usage);
     for (int index = 0; highest >= 0 && shm_usage.used_ids > 0 && index <= highest; index++) {
@@ -455,6 +461,9 @@ static void remove_ipc_objects(void) {
         if (id >= 0) {
             semctl(id, 0, IPC_RMID);
         }
+    }
+    if (as_calls && seteuid(0) != 0) {
+        abort(); /* a zygote that cannot be root again cannot serve: the worker restarts it */
     }
 }
 
@@ -865,7 +874,7 @@ static int run_call(server_t *server, const struct request_header *request, pid_
     /* Private directories mean an isolated executor, with an IPC namespace of its own;
      * without one the objects are the host's, not the call's. */
     if (server->private_dir_count > 0) {
-        remove_ipc_objects();
+        remove_ipc_objects(server->call_uid);
     }
     if (server->collapse && collapse_due(server->calls)) {
         collapse_heap();

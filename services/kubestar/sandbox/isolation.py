@@ -65,8 +65,9 @@ PR_SET_CHILD_SUBREAPER = 36
 # The exit code of an executor that could not isolate itself.
 ISOLATION_FAILED_EXIT = 3
 # What a root executor uses its capabilities for, by capability number (linux/capability.h):
-# the namespaces and mounts, dropping each call to a uid of its own, making the call's
-# directory that uid's, reaching into it to empty it, and killing what a call leaves behind.
+# the namespaces and mounts (CAP_SYS_ADMIN, dropped once they are made: see drop_sys_admin),
+# dropping each call to a uid of its own, making the call's directory that uid's, reaching
+# into it to empty it, and killing what a call leaves behind.
 # A container that runs the worker as root must grant exactly these (see docs/security.md).
 ROOT_CAPABILITIES = {
     21: "CAP_SYS_ADMIN",
@@ -238,6 +239,10 @@ def isolate(uid: int, hidden_paths: list[str]) -> Isolation:
         isolation.network = True
         isolation.pid_namespace = True
         _setup_mounts(isolation, hidden_paths)
+        try:
+            drop_sys_admin()
+        except OSError as error:
+            raise IsolationFailed(f"giving up CAP_SYS_ADMIN: {error.strerror}") from None
         isolation.separate_uid = True
         return isolation
 
@@ -274,6 +279,39 @@ def isolate(uid: int, hidden_paths: list[str]) -> Isolation:
     isolation.pid_namespace = True
     _setup_mounts(isolation, hidden_paths)
     return isolation
+
+
+CAP_SYS_ADMIN = 21
+PR_SET_NO_NEW_PRIVS = 38
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+
+
+class _CapabilityHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapabilitySets(ctypes.Structure):
+    _fields_ = [
+        ("effective", ctypes.c_uint32),
+        ("permitted", ctypes.c_uint32),
+        ("inheritable", ctypes.c_uint32),
+    ]
+
+
+def drop_sys_admin() -> None:
+    """Give up CAP_SYS_ADMIN for good once the namespaces and mounts are made: the zygote
+    runs on without it (it removes calls' IPC objects as their uid). no_new_privs keeps the
+    exec into the zygote from handing it back, as exec otherwise gives root its bounding set
+    (which only CAP_SETPCAP, not granted, could shrink)."""
+    header = _CapabilityHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+    sets = (_CapabilitySets * 2)()  # capabilities 0-31, then 32-63
+    _check(_libc.capget(ctypes.byref(header), sets), "capget")
+    cleared = ~(1 << CAP_SYS_ADMIN) & 0xFFFFFFFF
+    sets[0].effective &= cleared
+    sets[0].permitted &= cleared
+    sets[0].inheritable &= cleared
+    _check(_libc.capset(ctypes.byref(header), sets), "capset (dropping CAP_SYS_ADMIN)")
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
 
 
 def missing_root_capabilities() -> list[str]:
