@@ -16,6 +16,7 @@ isolation the node refuses says IsolationUnavailable instead of becoming Ready.
 from __future__ import annotations
 
 import base64
+import errno
 import functools
 import hashlib
 import hmac
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kubestar.sandbox.executor import UID_RANGES_START
 
 from e2e.tests.conftest import CHART, MANIFESTS, Settings, at_stake, figures, needs, provides
 from e2e.tests.faults import (
@@ -532,6 +534,10 @@ targets = json.loads(%r)
 # The namespace's interfaces (if_nameindex() asks netlink, which calls cannot open).
 lines = open("/proc/net/dev").read().splitlines()[2:]
 seen = {{"uid": os.getuid(), "interfaces": sorted(line.split(":")[0].strip() for line in lines)}}
+# A system call off the filter's allow-list: personality(PER_LINUX32).
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+seen["personality"] = ctypes.get_errno() if libc.personality(8) == -1 else "allowed"
 if seen["interfaces"] == ["lo"]:
     # No interface leads anywhere: the attempt cannot leave this machine.
     targets["outside"] = ["192.0.2.1", 80]
@@ -578,17 +584,8 @@ def test_tool_calls_reach_nothing_from_the_sandbox(tools: Tools, settings: Setti
     )
     api = re.match(r"https?://\[?([^\]/]+?)\]?:(\d+)", server)
     assert api, server
-    fleet = tools.get("rolloutfleet", FLEET, settings.namespace)
-    assert fleet is not None
+    fleet, engine_host, engine_port = serving_fleet(tools, settings)
     scheduler_host, scheduler_port = fleet["status"]["schedulerEndpoint"].rsplit(":", 1)
-    engine = tools.items(
-        "pods",
-        settings.namespace,
-        f"app.kubernetes.io/instance={FLEET}",
-        "app.kubernetes.io/component=engine",
-    )[0]
-    engine_port = engine["spec"]["containers"][0]["ports"][0]["containerPort"]
-    engine_host = engine["status"].get("podIP") or "127.0.0.1"
     dispatcher_host = pool["status"]["endpoint"].rsplit(":", 1)[0]
     targets = {
         "api_server": [api.group(1), int(api.group(2))],
@@ -604,9 +601,48 @@ def test_tool_calls_reach_nothing_from_the_sandbox(tools: Tools, settings: Setti
     assert seen["status"] == "ok", seen
     call = json.loads(seen["call"])
     assert call["interfaces"] == ["lo"], call
-    assert call["uid"] != 0, call
+    # A uid of the pod's own range (above 2^20), not one every pod of the node shares.
+    assert call["uid"] >= UID_RANGES_START, call
+    assert call["personality"] == errno.ENOSYS, call
     for name in [*targets, "outside"]:
         assert call[name] == "OSError: Network is unreachable", (name, call)
+    # The zygotes that fork the calls hold no CAP_SYS_ADMIN in the chart's worker pod.
+    capabilities = json.loads(
+        tools.kubectl_text(
+            "exec",
+            "-n",
+            settings.namespace,
+            f"{POOL}-sandbox-worker-0",
+            "--",
+            "python",
+            "-c",
+            ZYGOTE_CAPABILITIES,
+            timeout=60,
+        ).strip()
+    )
+    settings.notes["zygote_capabilities"] = capabilities
+    assert capabilities["container"] & CAP_SYS_ADMIN, capabilities
+    assert capabilities["zygotes"], capabilities
+    assert not any(cap & CAP_SYS_ADMIN for cap in capabilities["zygotes"]), capabilities
+
+
+CAP_SYS_ADMIN = 1 << 21
+ZYGOTE_CAPABILITIES = r"""
+import json, os
+def effective(pid):
+    fields = dict(line.split(":\t", 1) for line in open(f"/proc/{pid}/status").read().splitlines())
+    return int(fields["CapEff"], 16)
+zygotes = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    if int(pid) == os.getpid():  # this script names zygote.py too
+        continue
+    try:
+        if b"zygote.py" in open(f"/proc/{pid}/cmdline", "rb").read():
+            zygotes.append(effective(pid))
+    except OSError:
+        pass
+print(json.dumps({"container": effective(os.getpid()), "zygotes": zygotes}))
+"""
 
 
 CLOSED = r"""
@@ -669,6 +705,25 @@ def ready_object(tools: Tools, kind: str, name: str, namespace: str) -> Obj | No
     return found if ready.get("status") == "True" else None
 
 
+def serving_fleet(tools: Tools, settings: Settings) -> tuple[Obj, str, int]:
+    """The journey's fleet once Ready (the suite may come here before the model has loaded),
+    and its engine's host and port."""
+    fleet = wait_for(
+        "the fleet to be Ready",
+        lambda: ready_object(tools, "rolloutfleet", FLEET, settings.namespace),
+        timeout=600,
+        interval=2,
+    )
+    engine = tools.items(
+        "pods",
+        settings.namespace,
+        f"app.kubernetes.io/instance={FLEET}",
+        "app.kubernetes.io/component=engine",
+    )[0]
+    port = engine["spec"]["containers"][0]["ports"][0]["containerPort"]
+    return fleet, engine["status"].get("podIP") or "127.0.0.1", port
+
+
 @needs("chart", "fleet", "pool")
 def test_tenants_are_refused_by_each_others_planes(tools: Tools, settings: Settings) -> None:
     """Two tenants, each in a namespace of its own: from a pod of each, holding the token the
@@ -679,27 +734,13 @@ def test_tenants_are_refused_by_each_others_planes(tools: Tools, settings: Setti
     tenant = settings.tenant_namespace
     tools.kubectl_text("apply", "-n", tenant, "-f", str(MANIFESTS / "tenant-pool.yaml"))
     try:
-        # Its engine serving (the suite may come here before the model has loaded).
-        fleet = wait_for(
-            "the fleet to be Ready",
-            lambda: ready_object(tools, "rolloutfleet", FLEET, settings.namespace),
-            timeout=600,
-            interval=2,
-        )
+        fleet, engine_host, engine_port = serving_fleet(tools, settings)
         wait_for(
             "the tenant's pool to be Ready",
             lambda: ready_object(tools, "sandboxpool", "tenant-sandbox", tenant),
             timeout=300,
             interval=2,
         )
-        engine = tools.items(
-            "pods",
-            settings.namespace,
-            f"app.kubernetes.io/instance={FLEET}",
-            "app.kubernetes.io/component=engine",
-        )[0]
-        engine_port = engine["spec"]["containers"][0]["ports"][0]["containerPort"]
-        engine_host = engine["status"].get("podIP") or "127.0.0.1"
         planes = {
             "sandbox": "127.0.0.1:50051",
             "scheduler": fleet["status"]["schedulerEndpoint"],
