@@ -333,9 +333,9 @@ def test_pods_count_their_calls_processes_apart(log_dir: Path) -> None:
             ThreadPoolExecutor(1) as background,
             SandboxClient(holder.endpoint, timeout=60) as holding,
         ):
-            held = background.submit(holding.execute, Call(HOLD_EVERY_PROCESS, timeout_seconds=8))
+            held = background.submit(holding.execute, Call(HOLD_EVERY_PROCESS, timeout_seconds=4))
             limit = LimitPolicy().max_processes
-            wait_for(lambda: processes_of(held_uids) >= limit, timeout=8)
+            wait_for(lambda: processes_of(held_uids) >= limit, timeout=4)
             with SandboxClient(apart.endpoint, timeout=60) as client:
                 answer = client.execute(FORK_ONCE).stdout.split()
             assert answer[0] == "forked" and int(answer[1]) in apart_uids, answer

@@ -24,7 +24,7 @@ class Phase(StrEnum):
     or Failed from any of them.
     """
 
-    # Waiting for a valid spec, for its RolloutFleet and SandboxPool to exist, or for KubeRay.
+    # Waiting for a valid spec, or for its RolloutFleet and SandboxPool to be Ready.
     PENDING = "Pending"
     # The trainer workload is being created or is starting.
     PROVISIONING = "Provisioning"
@@ -62,7 +62,7 @@ class ConditionType(StrEnum):
     SPEC_ACCEPTED = "SpecAccepted"
     # TrainingRun: its RolloutFleet and SandboxPool exist and are Ready.
     DEPENDENCIES_READY = "DependenciesReady"
-    # TrainingRun: the trainer workload (a Job, or a KubeRay RayJob) is running.
+    # TrainingRun: the trainer workload (a Job per trainer worker) is running.
     TRAINER_READY = "TrainerReady"
     # TrainingRun run locally (`kubestar train -f`): the trainer is making progress.
     PROGRESSING = "Progressing"
@@ -174,9 +174,10 @@ class Condition(BaseModel):
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
-    type: str = Field(
+    type: ConditionType = Field(
         description="What the condition is about: Ready (SandboxPool, RolloutFleet); "
-        "SpecAccepted, DependenciesReady or TrainerReady (TrainingRun)."
+        "SpecAccepted, DependenciesReady, TrainerReady, Progressing, RolloutsHealthy or "
+        "Stalled (TrainingRun)."
     )
     status: ConditionStatus = Field(
         description="True, False or Unknown: whether the condition holds."

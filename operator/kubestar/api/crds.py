@@ -29,6 +29,7 @@ from typing import Any, Literal, get_args, get_origin
 import annotated_types
 import yaml
 from kubestar.api import v1alpha1 as api
+from kubestar.api.conditions import ConditionType
 from pydantic import BaseModel, TypeAdapter
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
@@ -197,7 +198,7 @@ def model_schema(model: type[BaseModel], *, with_defaults: bool = True) -> Schem
 
 # --- The three resources -----------------------------------------------------------------
 
-CONDITION_READY = '.status.conditions[?(@.type=="Ready")].status'
+CONDITION_READY = f'.status.conditions[?(@.type=="{ConditionType.READY}")].status'
 
 
 class Kind(typing.NamedTuple):
@@ -224,7 +225,7 @@ KINDS: list[Kind] = [
         status=api.SandboxPoolStatus,
         spec_required=False,
         columns=[
-            {"name": "Ready", "type": "string", "jsonPath": CONDITION_READY},
+            {"name": ConditionType.READY.value, "type": "string", "jsonPath": CONDITION_READY},
             {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
             {"name": "Available", "type": "integer", "jsonPath": ".status.readyReplicas"},
             {"name": "Capacity", "type": "integer", "jsonPath": ".status.capacity"},
@@ -242,7 +243,7 @@ KINDS: list[Kind] = [
         status=api.RolloutFleetStatus,
         spec_required=False,
         columns=[
-            {"name": "Ready", "type": "string", "jsonPath": CONDITION_READY},
+            {"name": ConditionType.READY.value, "type": "string", "jsonPath": CONDITION_READY},
             {"name": "Accelerator", "type": "string", "jsonPath": ".status.accelerator"},
             {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
             {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},

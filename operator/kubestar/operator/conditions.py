@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kubestar.api.conditions import Condition, ConditionStatus, Reason, now
+from kubestar.api.conditions import Condition, Reason, now
 
 # Container waiting reasons that mean "this will not start by itself".
 IMAGE_REASONS = {
@@ -230,11 +230,6 @@ def find(conditions: Iterable[Mapping[str, Any]] | None, type_: str) -> Mapping[
         if cond.get("type") == type_:
             return cond
     return None
-
-
-def is_true(conditions: Iterable[Mapping[str, Any]] | None, type_: str) -> bool:
-    cond = find(conditions, type_)
-    return cond is not None and cond.get("status") == ConditionStatus.TRUE
 
 
 def transitions(
