@@ -122,3 +122,13 @@ def test_the_operator_watches_named_namespaces_or_every_one_when_told() -> None:
     assert OperatorSettings(cluster_wide=True).scope_problem() is None
     with pytest.raises(ValidationError, match="namespaces or clusterWide"):
         OperatorSettings.model_validate({"namespaces": ["team"], "clusterWide": True})
+
+
+def test_the_operator_command_refuses_to_run_with_nothing_to_watch() -> None:
+    from click.testing import CliRunner
+    from kubestar.cli.operator import run_command
+
+    nothing = CliRunner().invoke(run_command, ["--kubeconfig", "/nonexistent"])
+    assert nothing.exit_code == 2 and "no namespaces to watch" in nothing.output
+    both = CliRunner().invoke(run_command, ["--namespace", "team", "--cluster-wide"])
+    assert both.exit_code == 2 and "not both" in both.output
