@@ -34,7 +34,7 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 typecheck: setup
-	$(BIN)/mypy services protos training operator tests bench e2e
+	$(BIN)/mypy protos services training operator cli tests bench e2e
 
 unit: setup
 	$(BIN)/pytest

@@ -411,7 +411,7 @@ def test_spec_diff_paths() -> None:
 # --- One status vocabulary for the operator and the trainer --------------------------------
 
 ROOT = Path(__file__).resolve().parents[2]
-API_DIR = ROOT / "operator" / "kubestar" / "api"
+API_DIR = ROOT / "protos" / "kubestar" / "api"
 OPERATOR_DIR = ROOT / "operator" / "kubestar" / "operator"
 TRAINING_DIR = ROOT / "training" / "kubestar" / "training"
 # Words Kubernetes uses too (a Pod's Ready condition, a Job's Failed, a kubelet's waiting
@@ -432,7 +432,7 @@ def test_one_condition_helper_for_the_operator_and_the_trainer() -> None:
             for node in ast.walk(ast.parse(path.read_text()))
         )
     ]
-    assert defined == [Path("operator/kubestar/api/conditions.py")]
+    assert defined == [Path("protos/kubestar/api/conditions.py")]
     # The trainer's progress reporting and the operator's reconcilers use that one.
     for module in (progress, tr, sandboxpool, rolloutfleet):
         assert vars(module)["condition"] is conditions.condition, module.__name__

@@ -17,7 +17,7 @@ from kubestar.v1 import sandbox_pb2 as pb
 from tests.sandbox.support import REPO, ServerProcess, descendants
 
 # The folders that hold kubestar's subpackages (pyproject's package-dir).
-PACKAGE_FOLDERS = ("services", "protos", "operator", "training")
+PACKAGE_FOLDERS = ("protos", "services", "training", "operator", "cli")
 
 
 @pytest.fixture

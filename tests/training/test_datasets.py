@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kubestar.api.errors import KubestarError
 from kubestar.api.v1alpha1 import DatasetSpec
-from kubestar.common.errors import KubestarError
 from kubestar.training.datasets import (
     DatasetFormatError,
     file_problems,

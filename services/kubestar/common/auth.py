@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from kubestar.common.errors import KubestarError
+from kubestar.api.errors import KubestarError
 
 ENV_TOKEN_FILE = "KUBESTAR_AUTH_TOKEN_FILE"
 ENV_TOKEN = "KUBESTAR_AUTH_TOKEN"

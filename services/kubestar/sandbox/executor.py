@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from kubestar.common.errors import KubestarError
+from kubestar.api.errors import KubestarError
 from kubestar.sandbox import _forkserver, metrics
 from kubestar.sandbox.limits import CallLimits, LimitPolicy
 from kubestar.sandbox.zygote import HEADER_BYTES

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
+from kubestar.api.errors import KubestarError
 from kubestar.common.auth import call_metadata, client_token
-from kubestar.common.errors import KubestarError
 from kubestar.search.ppm_data import Encode, path_token_ids
 from kubestar.search.tree import Node
 from kubestar.v1 import scoring_pb2 as pb

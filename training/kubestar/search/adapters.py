@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
-from kubestar.common.errors import KubestarError
+from kubestar.api.errors import KubestarError
 from kubestar.sandbox.client import Call
 from kubestar.sandbox.metrics import status_label
 from kubestar.scheduler.client import completions

@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from kubestar.common.errors import KubestarError
+from kubestar.api.errors import KubestarError
 from kubestar.search.adapters import StepSampling
 from kubestar.search.data import SftTrace, is_correct, ppm_pairs, sft_traces
 from kubestar.search.ppm_data import Encode, pair_record, split_pairs, tokenizer_sha256

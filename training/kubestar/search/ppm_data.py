@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kubestar.common.errors import KubestarError
+from kubestar.api.errors import KubestarError
 from kubestar.search.data import PpmPair
 from kubestar.search.tree import Node
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kubestar.common.errors import KubestarError
+from kubestar.api.errors import KubestarError
 
 QUESTION_KEYS = ("question", "problem", "prompt", "query")
 ANSWER_KEYS = ("answer", "final_answer", "ground_truth", "solution", "target")

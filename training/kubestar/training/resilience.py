@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+from kubestar.api.errors import KubestarError
 from kubestar.api.v1alpha1 import ResilienceSpec, RolloutRetry
-from kubestar.common.errors import KubestarError
 from kubestar.scheduler.client import SchedulerClient
 from kubestar.training.trajectory import Trajectory
 from kubestar.v1 import rollout_pb2 as pb

@@ -20,7 +20,7 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
-from kubestar.common.errors import KubestarError
+from kubestar.api.errors import KubestarError
 
 log = logging.getLogger(__name__)
 

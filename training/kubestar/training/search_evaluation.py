@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kubestar.api.errors import KubestarError
 from kubestar.api.v1alpha1 import CallLimitsSpec, SearchEvaluationSpec
-from kubestar.common.errors import KubestarError
 from kubestar.search.adapters import ExecuteBatch, Generate, SandboxExecutor, StepSampling
 from kubestar.search.ppm_data import Encode, tokenizer_sha256
 from kubestar.search.solve import Judge, Solver, SolveSettings, summary

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kubestar.api.conditions import Phase, Reason, now
+from kubestar.api.errors import KubestarError
 from kubestar.api.v1alpha1 import (
     Activity,
     AlgorithmSpec,
@@ -48,7 +49,6 @@ from kubestar.api.v1alpha1 import (
     TrainingRunSpec,
     TrainingRunStatus,
 )
-from kubestar.common.errors import KubestarError
 from kubestar.engine.weight_sync import WeightServer
 from kubestar.training import checkpoint
 from kubestar.training.checkpoint import RunState

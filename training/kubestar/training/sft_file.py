@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kubestar.common.errors import KubestarError
+from kubestar.api.errors import KubestarError
 from kubestar.training.chat import ChatTokenizer
 from kubestar.training.datasets import json_lines
 from kubestar.training.sft_data import SftExample, format_tool_call

@@ -8,7 +8,7 @@ import errno
 import os
 import re
 
-from kubestar.common.errors import KubestarError
+from kubestar.api.errors import KubestarError
 
 DEBUG_ENV = "KUBESTAR_DEBUG"
 DEBUG_HINT = "(`kubestar --debug` or KUBESTAR_DEBUG=1 shows the traceback)"

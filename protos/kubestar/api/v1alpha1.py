@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import yaml
 from kubestar.api.conditions import Condition, Phase
-from kubestar.common.errors import KubestarError
+from kubestar.api.errors import KubestarError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 

@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import TextIO
 
 import click
+from kubestar.api.errors import KubestarError
 from kubestar.cli.errors import describe
 from kubestar.cli.options import auth_token_file_option
 from kubestar.common import logs
 from kubestar.common.auth import load_token
-from kubestar.common.errors import KubestarError
 from kubestar.sandbox.client import Call, SandboxClient, result_to_dict
 from kubestar.sandbox.executor import DEFAULT_WARMUP, UID_RANGE_SIZE, ExecutorConfig, uid_base_for
 from kubestar.sandbox.limits import CallLimits, LimitPolicy, MiB
