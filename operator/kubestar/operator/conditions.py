@@ -196,14 +196,6 @@ def summarize(problems: list[Problem], limit: int = 3) -> tuple[str, str]:
     return problems[0].reason, "; ".join(lines)
 
 
-def pod_ready(pod: Mapping[str, Any]) -> bool:
-    status = pod.get("status") or {}
-    return any(
-        c.get("type") == "Ready" and c.get("status") == "True"
-        for c in status.get("conditions") or []
-    )
-
-
 def merge(
     current: Sequence[Mapping[str, Any]] | None,
     updates: Iterable[Condition],

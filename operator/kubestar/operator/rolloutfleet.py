@@ -47,7 +47,7 @@ def engine_statuses(
         if labels.get(o.LABEL_COMPONENT) != build_fleet.ENGINE:
             continue
         name = pod["metadata"]["name"]
-        entry: dict[str, Any] = {"name": name, "ready": cond.pod_ready(pod)}
+        entry: dict[str, Any] = {"name": name, "ready": k.pod_ready(pod)}
         if capacities and name in capacities:
             probe = capacities[name]
             entry["kvCapacityTokens"], entry["kvUsage"] = probe.capacity_tokens, probe.kv_usage

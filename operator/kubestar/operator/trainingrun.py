@@ -172,7 +172,7 @@ def job_outcome(job: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]]
         return Outcome("failed", reason, f"trainer pod failed: {message}")
     if reason:
         return Outcome("starting", reason, message)
-    if any(cond.pod_ready(pod) for pod in pods):
+    if any(k.pod_ready(pod) for pod in pods):
         return Outcome("running", Reason.RUNNING, "the trainer pod is running")
     return Outcome("starting", Reason.STARTING, "the trainer pod is starting")
 

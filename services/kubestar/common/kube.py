@@ -206,6 +206,14 @@ def path_of(obj: Mapping[str, Any], subresource: str | None = None) -> str:
     return path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"], subresource)
 
 
+def pod_ready(pod: Mapping[str, Any]) -> bool:
+    """Whether the pod's Ready condition is True (the pod as the API serialises it)."""
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in (pod.get("status") or {}).get("conditions") or []
+    )
+
+
 class Kube:
     """One aiohttp session against one API server."""
 

@@ -32,10 +32,7 @@ def _ready(pod: Mapping[str, Any]) -> bool:
         return False
     if (pod.get("metadata") or {}).get("deletionTimestamp"):
         return False
-    return any(
-        c.get("type") == "Ready" and c.get("status") == "True"
-        for c in status.get("conditions") or []
-    )
+    return kube.pod_ready(pod)
 
 
 def engines_from_pods(pods: Iterable[Mapping[str, Any]], port: int) -> dict[str, str]:
