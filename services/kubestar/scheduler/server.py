@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from dataclasses import dataclass, field
 
 import grpc
@@ -12,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kubestar.common.auth import server_interceptors
 from kubestar.common.bounds import ServiceBounds
 from kubestar.common.net import check_can_listen, start_metrics_server
+from kubestar.common.serving import serve_until_signal
 from kubestar.scheduler.config import SchedulerConfig
 from kubestar.scheduler.core import RequestTooLarge
 from kubestar.scheduler.discovery import KubernetesDiscovery
@@ -240,12 +240,4 @@ class SchedulerServer:
 
 
 async def serve(config: ServerConfig) -> None:
-    server = SchedulerServer(config)
-    await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("draining on signal")
-    await server.stop()
+    await serve_until_signal(SchedulerServer(config), log)

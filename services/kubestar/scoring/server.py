@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kubestar.common.auth import server_interceptors
 from kubestar.common.bounds import ServiceBounds
 from kubestar.common.net import check_can_listen, start_metrics_server
+from kubestar.common.serving import serve_until_signal
 from kubestar.scoring.batcher import Batcher, BatchingConfig
 from kubestar.scoring.metrics import ScoringMetrics
 from kubestar.search.ppm import ProcessPreferenceModel, squash
@@ -229,12 +229,4 @@ class ScoringServer:
 
 
 async def serve(config: ServerConfig) -> None:
-    server = ScoringServer(config)
-    await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("draining on signal")
-    await server.stop()
+    await serve_until_signal(ScoringServer(config), log)
