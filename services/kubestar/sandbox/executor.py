@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubestar.api.conditions import Reason
 from kubestar.api.errors import KubestarError
 from kubestar.sandbox import _forkserver, metrics
 from kubestar.sandbox.limits import CallLimits, LimitPolicy
@@ -95,7 +96,7 @@ class IsolationUnavailable(KubestarError):
 
     # How a worker's termination message starts (`kubestar sandbox serve --termination-log`),
     # so that the operator can name the cause in the SandboxPool's Ready condition.
-    reason = "IsolationUnavailable"
+    reason = Reason.ISOLATION_UNAVAILABLE
 
     def __init__(self, executor: str, missing: str) -> None:
         who = "root" if os.geteuid() == 0 else f"uid {os.geteuid()}"
