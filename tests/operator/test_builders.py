@@ -430,7 +430,7 @@ def test_scheduler_is_wired_to_the_engines() -> None:
     assert command[command.index("--policy") + 1] == "least-requests"
     assert command[command.index("--weights-reload-timeout") + 1] == "120"
     assert scheduler["spec"]["template"]["spec"]["serviceAccountName"] == "f-scheduler"
-    role = build_fleet.scheduler_role(fleet)
+    role = build_fleet.scheduler_rbac(fleet)[1]
     assert role["rules"] == [
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
     ]

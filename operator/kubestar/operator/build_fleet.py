@@ -341,49 +341,14 @@ def spec_problem(spec: RolloutFleetSpec, settings: OperatorSettings) -> str | No
     return None
 
 
-def scheduler_service_account(fleet: Mapping[str, Any]) -> o.Obj:
-    name = fleet["metadata"]["name"]
-    return o.with_hash(
-        {
-            "apiVersion": "v1",
-            "kind": "ServiceAccount",
-            "metadata": o.metadata(fleet, scheduler_name(name), SCHEDULER),
-        }
-    )
+# The scheduler lists the fleet's pods to find its engines.
+SCHEDULER_RULES = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
 
 
-def scheduler_role(fleet: Mapping[str, Any]) -> o.Obj:
-    name = fleet["metadata"]["name"]
-    return o.with_hash(
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "Role",
-            "metadata": o.metadata(fleet, scheduler_name(name), SCHEDULER),
-            "rules": [
-                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
-            ],
-        }
-    )
-
-
-def scheduler_role_binding(fleet: Mapping[str, Any]) -> o.Obj:
-    meta = fleet["metadata"]
-    name = scheduler_name(meta["name"])
-    return o.with_hash(
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
-            "metadata": o.metadata(fleet, name, SCHEDULER),
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-            "subjects": [
-                {
-                    "kind": "ServiceAccount",
-                    "name": name,
-                    "namespace": meta.get("namespace", "default"),
-                }
-            ],
-        }
-    )
+def scheduler_rbac(fleet: Mapping[str, Any]) -> list[o.Obj]:
+    """The scheduler's ServiceAccount, Role (SCHEDULER_RULES) and RoleBinding."""
+    name = scheduler_name(fleet["metadata"]["name"])
+    return o.rbac(fleet, name, SCHEDULER, SCHEDULER_RULES)
 
 
 def scheduler_deployment(
@@ -612,9 +577,7 @@ def children(
         *auth,
         *modules,
         engine_deployment(fleet, spec, settings),
-        scheduler_service_account(fleet),
-        scheduler_role(fleet),
-        scheduler_role_binding(fleet),
+        *scheduler_rbac(fleet),
         scheduler_service(fleet, spec),
         scheduler_deployment(fleet, spec, settings),
     ]

@@ -76,60 +76,35 @@ def config_map(run: Mapping[str, Any], spec: TrainingRunSpec) -> o.Obj:
 
 
 def service_account(run: Mapping[str, Any]) -> o.Obj:
-    name = run["metadata"]["name"]
-    return o.with_hash(
+    return o.service_account(run, trainer_name(run["metadata"]["name"]), TRAINER)
+
+
+def trainer_rules(name: str) -> list[o.Obj]:
+    """May read its own TrainingRun and patch its status: resourceNames pins the run."""
+    return [
         {
-            "apiVersion": "v1",
-            "kind": "ServiceAccount",
-            "metadata": o.metadata(run, trainer_name(name), TRAINER),
-        }
-    )
+            "apiGroups": [GROUP],
+            "resources": ["trainingruns"],
+            "resourceNames": [name],
+            "verbs": ["get"],
+        },
+        {
+            "apiGroups": [GROUP],
+            "resources": ["trainingruns/status"],
+            "resourceNames": [name],
+            "verbs": ["get", "patch"],
+        },
+    ]
 
 
 def role(run: Mapping[str, Any]) -> o.Obj:
-    """May read its own TrainingRun and patch its status: resourceNames pins the run."""
+    """May read its own TrainingRun and patch its status (trainer_rules)."""
     name = run["metadata"]["name"]
-    return o.with_hash(
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "Role",
-            "metadata": o.metadata(run, trainer_name(name), TRAINER),
-            "rules": [
-                {
-                    "apiGroups": [GROUP],
-                    "resources": ["trainingruns"],
-                    "resourceNames": [name],
-                    "verbs": ["get"],
-                },
-                {
-                    "apiGroups": [GROUP],
-                    "resources": ["trainingruns/status"],
-                    "resourceNames": [name],
-                    "verbs": ["get", "patch"],
-                },
-            ],
-        }
-    )
+    return o.role(run, trainer_name(name), TRAINER, trainer_rules(name))
 
 
 def role_binding(run: Mapping[str, Any]) -> o.Obj:
-    meta = run["metadata"]
-    name = trainer_name(meta["name"])
-    return o.with_hash(
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
-            "metadata": o.metadata(run, name, TRAINER),
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-            "subjects": [
-                {
-                    "kind": "ServiceAccount",
-                    "name": name,
-                    "namespace": meta.get("namespace", "default"),
-                }
-            ],
-        }
-    )
+    return o.role_binding(run, trainer_name(run["metadata"]["name"]), TRAINER)
 
 
 def shares_checkpoints(spec: TrainingRunSpec, settings: OperatorSettings) -> bool:
@@ -545,7 +520,8 @@ def network_policies(
 
 
 def rbac(run: Mapping[str, Any]) -> list[o.Obj]:
-    return [service_account(run), role(run), role_binding(run)]
+    name = run["metadata"]["name"]
+    return o.rbac(run, trainer_name(name), TRAINER, trainer_rules(name))
 
 
 def auth_name(run: str) -> str:

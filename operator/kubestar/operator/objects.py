@@ -105,6 +105,56 @@ def with_hash(obj: Obj) -> Obj:
     return obj
 
 
+def service_account(parent: Mapping[str, Any], name: str, component: str) -> Obj:
+    """A ServiceAccount its pods run as (with a Role and RoleBinding of the same name)."""
+    return with_hash(
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": metadata(parent, name, component),
+        }
+    )
+
+
+def role(parent: Mapping[str, Any], name: str, component: str, rules: list[Obj]) -> Obj:
+    return with_hash(
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": metadata(parent, name, component),
+            "rules": rules,
+        }
+    )
+
+
+def role_binding(parent: Mapping[str, Any], name: str, component: str) -> Obj:
+    """Binds the Role `name` to the ServiceAccount `name` of the parent's namespace."""
+    return with_hash(
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": metadata(parent, name, component),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [
+                {
+                    "kind": "ServiceAccount",
+                    "name": name,
+                    "namespace": parent["metadata"].get("namespace", "default"),
+                }
+            ],
+        }
+    )
+
+
+def rbac(parent: Mapping[str, Any], name: str, component: str, rules: list[Obj]) -> list[Obj]:
+    """A ServiceAccount, a Role with `rules` and the RoleBinding between them, all `name`."""
+    return [
+        service_account(parent, name, component),
+        role(parent, name, component, rules),
+        role_binding(parent, name, component),
+    ]
+
+
 def quantity(value: str | int | float) -> str:
     """Quantities as strings: server-side apply requires them typed so."""
     if isinstance(value, float) and value.is_integer():
