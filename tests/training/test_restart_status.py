@@ -4,6 +4,7 @@ that step's metrics, so that `status.step` never goes back further than the chec
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +13,9 @@ from kubestar.api.v1alpha1 import TrainingRun, TrainingRunStatus, parse_resource
 from kubestar.training import checkpoint
 from kubestar.training.checkpoint import RunState
 from kubestar.training.endpoints import Endpoints
-from kubestar.training.progress import MetricsLog
+from kubestar.training.progress import MetricsListener, MetricsLog
 from kubestar.training.session import TrainingSession
+from kubestar.training.telemetry import TrainerMetrics
 
 RUN = {
     "apiVersion": "kubestar.dev/v1alpha1",
@@ -57,7 +59,9 @@ def logged_step(step: int) -> dict[str, Any]:
     }
 
 
-def restarted_session(tmp_path: Path, logged: int) -> tuple[TrainingSession, Recording]:
+def restarted_session(
+    tmp_path: Path, logged: int, telemetry: Sequence[MetricsListener] = ()
+) -> tuple[TrainingSession, Recording]:
     """A session on a run folder whose metrics log has an SFT entry and steps 1..`logged`."""
     log = MetricsLog(tmp_path / "metrics.jsonl")
     log.append({"step": 0, "stage": "sft", "loss": 1.0})
@@ -67,7 +71,12 @@ def restarted_session(tmp_path: Path, logged: int) -> tuple[TrainingSession, Rec
     assert isinstance(run, TrainingRun)
     reporter = Recording()
     session = TrainingSession(
-        run, Endpoints(scheduler="", sandbox=""), tmp_path, tmp_path / "model", reporter
+        run,
+        Endpoints(scheduler="", sandbox=""),
+        tmp_path,
+        tmp_path / "model",
+        reporter,
+        telemetry=telemetry,
     )
     return session, reporter
 
@@ -78,7 +87,8 @@ def test_a_resumed_trainer_reports_no_step_before_its_checkpoint(
 ) -> None:
     """Killed after step 3 was logged; its checkpoint is step 3 (a SIGTERM's) or step 2 (a
     SIGKILL after the periodic one)."""
-    session, reporter = restarted_session(tmp_path, logged=3)
+    exported = TrainerMetrics("resumed")
+    session, reporter = restarted_session(tmp_path, logged=3, telemetry=[exported])
     newest = tmp_path / "checkpoints" / f"step-{checkpointed:06d}"
     pushed: list[tuple[int, Path | None]] = []
     monkeypatch.setattr(checkpoint, "newest_good", lambda directory, world: newest)
@@ -112,6 +122,12 @@ def test_a_resumed_trainer_reports_no_step_before_its_checkpoint(
     assert session.status.last_checkpoint == str(newest)
     logged = [e["step"] for e in MetricsLog(tmp_path / "metrics.jsonl").read()]
     assert logged == list(range(checkpointed + 1))
+    # Rank 0's Prometheus series restart at the checkpoint too.
+    labels = {"run": "resumed", "stage": "only"}
+    assert exported.registry.get_sample_value("kubestar_trainer_step", labels) == checkpointed
+    assert exported.registry.get_sample_value("kubestar_trainer_steps_total", labels) == (
+        checkpointed
+    )
 
 
 def test_a_trainer_with_no_checkpoint_to_resume_from_starts_at_step_0(

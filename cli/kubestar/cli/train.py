@@ -278,6 +278,7 @@ def _train_worker_pod(run: TrainingRun, directory: Path, env: TrainerEnvironment
     from kubestar.training.progress import StatusPatcher
     from kubestar.training.session import TrainingSession
     from kubestar.training.stopping import EXIT_STOPPED, FinalFailure, StopRequest, TrainingStopped
+    from kubestar.training.telemetry import trainer_pod_listeners
 
     size = env.workers * env.processes
     master = None
@@ -316,6 +317,7 @@ def _train_worker_pod(run: TrainingRun, directory: Path, env: TrainerEnvironment
             call_limits=CallLimitsSpec.model_validate(env.sandbox_limits),
             world=world,
             stop=stop,
+            telemetry=trainer_pod_listeners(env),
         )
         try:
             status = session.run_all()

@@ -24,6 +24,8 @@ with this environment (names are the constants below):
 | KUBESTAR_TRAINER_PROCESSES | spec.trainer.processesPerWorker: training processes in this pod |
 | KUBESTAR_TRAINER_RENDEZVOUS | HOST:PORT of worker 0's rendezvous (torch.distributed's store): |
 |   | the headless Service `<run>-trainer`, whose only endpoint is worker 0's pod |
+| KUBESTAR_TRAINER_METRICS_LISTEN | HOST:PORT where rank 0 serves Prometheus metrics (an empty |
+|   | HOST: every address); empty: none |
 
 The world is workers x processesPerWorker processes in one torch.distributed process group
 (kubestar.training.distributed). Worker 0's first process is rank 0: it alone rolls out (its
@@ -32,7 +34,12 @@ has no DNS for Services, the trainer reads worker 0's pod address from its Train
 `status.rendezvousAddress`, which the operator keeps.
 
 Its service account may `get` its own TrainingRun and `get`/`patch` that run's `status`
-subresource, nothing else (a Role limited by resourceNames). It reports with
+subresource, and `get`/`patch` the ConfigMap `<run>-metrics` (`metrics_log_name`), nothing
+else (a Role limited by resourceNames). The operator makes that ConfigMap, empty; rank 0
+keeps the run's metrics log in it (binaryData `METRICS_LOG_KEY`: gzipped JSON lines, every
+RL step's entry, thinned when the log would outgrow a ConfigMap: the annotation
+METRICS_LOG_EVERY says 1 in how many steps it keeps), so that `kubestar report --run NAME`
+draws a run's report from the cluster alone. It reports with
 `kubestar.training.progress.StatusPatcher`, which sends `trainer_patch(status)` to the status
 subresource: a JSON merge patch of the fields the trainer owns, `phase` (Evaluating, SFT,
 Training, Succeeded, Failed: kubestar.api.conditions.TRAINER_PHASES), `stage`, `step`,
@@ -91,12 +98,23 @@ ENV_RENDEZVOUS = "KUBESTAR_TRAINER_RENDEZVOUS"
 # HOST is the pod's address: the trainer's on the route to its scheduler).
 ENV_WEIGHT_SYNC = "KUBESTAR_WEIGHT_SYNC"
 ENV_WEIGHTS_LISTEN = "KUBESTAR_WEIGHTS_LISTEN"
+ENV_METRICS_LISTEN = "KUBESTAR_TRAINER_METRICS_LISTEN"
 
 # Where the trainer container writes its termination message (the kubelet's default path).
 TERMINATION_LOG = "/dev/termination-log"
 # The exit code of a trainer whose checkpoint volume is full (ENOSPC's errno): its Job fails
 # without retrying.
 EXIT_FINAL_FAILURE = 28
+
+# The run's metrics log in its ConfigMap (see the module's docstring).
+METRICS_LOG_KEY = "metrics.jsonl.gz"
+METRICS_LOG_EVERY = "kubestar.dev/metrics-log-every"
+
+
+def metrics_log_name(run: str) -> str:
+    """The ConfigMap that keeps a run's metrics log."""
+    return f"{run}-metrics"
+
 
 CONFIG_DIR = "/etc/kubestar"
 RUN_CONFIG = f"{CONFIG_DIR}/run.yaml"
@@ -132,6 +150,7 @@ class TrainerEnvironment:
     rendezvous: str = ""  # HOST:PORT; empty with one process in all
     weight_sync: str = "broadcast"
     weights_listen: str = "127.0.0.1:0"  # an empty HOST: the pod's address
+    metrics_listen: str = ""  # HOST:PORT of rank 0's Prometheus metrics; empty: none
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> TrainerEnvironment:
@@ -151,6 +170,7 @@ class TrainerEnvironment:
             rendezvous=values.get(ENV_RENDEZVOUS, ""),
             weight_sync=values.get(ENV_WEIGHT_SYNC, "broadcast"),
             weights_listen=values.get(ENV_WEIGHTS_LISTEN, "127.0.0.1:0"),
+            metrics_listen=values.get(ENV_METRICS_LISTEN, ""),
         )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -87,12 +88,27 @@ class StatusPatcher:
             log.warning("status patch failed: %s", error)
 
 
+class MetricsListener(Protocol):
+    """Told of each entry a MetricsLog gets, and of the whole log when it starts listening
+    and when a resume truncates it (kubestar.training.telemetry's exporters)."""
+
+    def entry(self, entry: Mapping[str, Any]) -> None: ...
+
+    def reload(self, entries: Sequence[Mapping[str, Any]]) -> None: ...
+
+
 class MetricsLog:
     """One JSON object per step; on resume, entries after the checkpoint are dropped so that
     every step appears exactly once."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.listeners: list[MetricsListener] = []
+
+    def listen(self, listener: MetricsListener) -> None:
+        """`listener` gets the log as it is now, then every entry appended."""
+        self.listeners.append(listener)
+        listener.reload(self.read())
 
     def truncate_after(self, global_step: int) -> None:
         if not self.path.exists():
@@ -103,10 +119,15 @@ class MetricsLog:
             if line.strip() and json.loads(line).get("step", 0) <= global_step
         ]
         self.path.write_text("".join(f"{line}\n" for line in kept))
+        entries = self.read()
+        for listener in self.listeners:
+            listener.reload(entries)
 
     def append(self, entry: dict[str, Any]) -> None:
         with self.path.open("a") as handle:
             handle.write(json.dumps(entry, default=float) + "\n")
+        for listener in self.listeners:
+            listener.entry(entry)
 
     def read(self) -> list[dict[str, Any]]:
         if not self.path.exists():

@@ -25,7 +25,7 @@ import random
 import shutil
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -58,6 +58,7 @@ from kubestar.training.endpoints import Endpoints
 from kubestar.training.generators import Sampling
 from kubestar.training.policy import OptimizerConfig, Policy
 from kubestar.training.progress import (
+    MetricsListener,
     MetricsLog,
     Reporter,
     evaluation_result,
@@ -275,13 +276,15 @@ class TrainingSession:
         world: World = SINGLE,
         stop: StopRequest | None = None,
         services_ready: Callable[[], None] | None = None,
+        telemetry: Sequence[MetricsListener] = (),
     ) -> None:
         """`call_limits`: the SandboxPool's per-call limits, applied to every tool call.
         `world`: this process's rank in a sharded trainer. `stop`: set when the process is
         asked to stop (SIGTERM): the session checkpoints the step in progress and raises
         TrainingStopped. `services_ready`: returns once the endpoints serve (services
         still starting, as a local run's do while the model loads); called before their
-        first use."""
+        first use. `telemetry`: rank 0's listeners to the metrics log (Prometheus metrics,
+        the log's copy in the cluster: kubestar.training.telemetry)."""
         self.run = run
         self.world = world
         self.stop = stop or StopRequest()
@@ -297,6 +300,9 @@ class TrainingSession:
         self.checkpoints = Path(self.spec.checkpoint.path or run_dir / "checkpoints")
         self.weights_dir = run_dir / "weights"
         self.metrics = MetricsLog(run_dir / "metrics.jsonl")
+        if world.main:
+            for listener in telemetry:
+                self.metrics.listen(listener)
         self.status = TrainingRunStatus(
             total_steps=total_steps(self.spec),
             observed_generation=int(run.metadata.model_extra.get("generation", 0) or 0)
@@ -478,14 +484,18 @@ class TrainingSession:
                 rollout_seconds = time.monotonic() - started
                 self._doing(f"updating the policy on step {state.global_step + 1}", "the trainer")
                 metrics = trainer.update(trajectories)  # sharded: rank 0's trajectories
+                trained = time.monotonic()
                 state.global_step += 1
                 state.stage_step = step + 1
                 pushed = self._push_weights(policy, worker, version=state.global_step)
                 if main:
                     versions = [v for t in trajectories for v in t.weights_versions]
+                    done = time.monotonic()
                     metrics.update(
-                        step_seconds=time.monotonic() - started,
+                        step_seconds=done - started,
                         rollout_seconds=rollout_seconds,
+                        train_seconds=trained - started - rollout_seconds,
+                        push_seconds=done - trained,
                         max_response_tokens=float(stage.max_response_tokens),
                         tokens_per_second=stats.tokens_per_s,
                         world_size=float(self.world.size),  # training processes
