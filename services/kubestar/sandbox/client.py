@@ -11,6 +11,7 @@ from typing import TypeVar
 
 import grpc
 from kubestar.common.auth import call_metadata, client_token
+from kubestar.common.stubs import LazyStub
 from kubestar.sandbox.limits import MAX_MESSAGE_BYTES, message_options
 from kubestar.sandbox.metrics import status_label
 from kubestar.v1 import sandbox_pb2 as pb
@@ -124,8 +125,7 @@ class SandboxClient:
         self._ids = itertools.count()
         self._channel = grpc.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.SandboxServiceStub(self._channel)
-        self._async_channel: grpc.aio.Channel | None = None
-        self._async_stub: pb_grpc.SandboxServiceStub | None = None
+        self._aio = LazyStub(endpoint, pb_grpc.SandboxServiceStub, _CHANNEL_OPTIONS)
 
     def _next_id(self) -> str:
         return f"call-{next(self._ids)}"
@@ -157,20 +157,11 @@ class SandboxClient:
         )
         return response
 
-    def _aio_stub(self) -> pb_grpc.SandboxServiceStub:
-        # Created lazily, inside the event loop that uses it.
-        if self._async_stub is None:
-            self._async_channel = grpc.aio.insecure_channel(self.endpoint, options=_CHANNEL_OPTIONS)
-            self._async_stub = pb_grpc.SandboxServiceStub(self._async_channel)
-        return self._async_stub
-
     async def aexecute(self, call: Call | str) -> pb.ExecutionResult:
         request = pb.ExecuteRequest(execution=_to_execution(call, self._next_id()))
         response: pb.ExecuteResponse = await with_retries_async(
             self._delays,
-            lambda: self._aio_stub().Execute(
-                request, timeout=self.timeout, metadata=self._metadata
-            ),
+            lambda: self._aio.get().Execute(request, timeout=self.timeout, metadata=self._metadata),
         )
         return response.result
 
@@ -180,7 +171,7 @@ class SandboxClient:
         )
         response: pb.ExecuteBatchResponse = await with_retries_async(
             self._delays,
-            lambda: self._aio_stub().ExecuteBatch(
+            lambda: self._aio.get().ExecuteBatch(
                 request, timeout=self.timeout, metadata=self._metadata
             ),
         )
@@ -195,7 +186,7 @@ class SandboxClient:
                 yield pb.ExecuteStreamRequest(execution=execution)
 
         by_id: dict[str, pb.ExecutionResult] = {}
-        async for response in self._aio_stub().ExecuteStream(
+        async for response in self._aio.get().ExecuteStream(
             requests(), timeout=self.timeout, metadata=self._metadata
         ):
             by_id[response.result.id] = response.result
@@ -205,10 +196,7 @@ class SandboxClient:
         self._channel.close()
 
     async def aclose(self) -> None:
-        if self._async_channel is not None:
-            await self._async_channel.close()
-            self._async_channel = None
-            self._async_stub = None
+        await self._aio.close()
 
     def __enter__(self) -> SandboxClient:
         return self

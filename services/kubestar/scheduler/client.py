@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import grpc
 from kubestar.common.auth import call_metadata, client_token
+from kubestar.common.stubs import LazyStub
 from kubestar.v1 import rollout_pb2 as pb
 from kubestar.v1 import rollout_pb2_grpc as pb_grpc
 
@@ -62,15 +62,11 @@ class SchedulerClient:
         self.endpoint = endpoint
         self.timeout = timeout
         self._metadata = call_metadata(client_token(token))
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: pb_grpc.RolloutSchedulerServiceStub | None = None
+        self._stub = LazyStub(endpoint, pb_grpc.RolloutSchedulerServiceStub, _CHANNEL_OPTIONS)
 
     @property
     def stub(self) -> pb_grpc.RolloutSchedulerServiceStub:
-        if self._stub is None:  # created lazily, inside the event loop that uses it
-            self._channel = grpc.aio.insecure_channel(self.endpoint, options=_CHANNEL_OPTIONS)
-            self._stub = pb_grpc.RolloutSchedulerServiceStub(self._channel)
-        return self._stub
+        return self._stub.get()
 
     async def generate(
         self,
@@ -133,10 +129,7 @@ class SchedulerClient:
         )
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
-            self._stub = None
+        await self._stub.close()
 
     async def __aenter__(self) -> SchedulerClient:
         return self

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import grpc
 from kubestar.api.errors import KubestarError
 from kubestar.common.auth import call_metadata, client_token
+from kubestar.common.stubs import LazyStub
 from kubestar.search.ppm_data import Encode, path_token_ids
 from kubestar.search.tree import Node
 from kubestar.v1 import scoring_pb2 as pb
@@ -46,15 +46,11 @@ class ScoringClient:
         self.endpoint = endpoint
         self.timeout = timeout
         self._metadata = call_metadata(client_token(token))
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: pb_grpc.ScoringServiceStub | None = None
+        self._stub = LazyStub(endpoint, pb_grpc.ScoringServiceStub, _CHANNEL_OPTIONS)
 
     @property
     def stub(self) -> pb_grpc.ScoringServiceStub:
-        if self._stub is None:  # created lazily, inside the event loop that uses it
-            self._channel = grpc.aio.insecure_channel(self.endpoint, options=_CHANNEL_OPTIONS)
-            self._stub = pb_grpc.ScoringServiceStub(self._channel)
-        return self._stub
+        return self._stub.get()
 
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[Reward]:
         """One reward per token sequence, in order."""
@@ -73,10 +69,7 @@ class ScoringClient:
         return response
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
-            self._stub = None
+        await self._stub.close()
 
     async def __aenter__(self) -> ScoringClient:
         return self

@@ -27,6 +27,7 @@ from typing import Protocol
 
 import grpc
 from kubestar.common.auth import call_metadata, client_token
+from kubestar.common.stubs import LazyStub
 from kubestar.sandbox.client import MAX_MESSAGE_BYTES, Call, SandboxClient
 from kubestar.v1 import sandbox_pb2 as pb
 from kubestar.v1 import sandbox_pb2_grpc as pb_grpc
@@ -109,20 +110,13 @@ class SandboxStreamExecutor:
         self._prefix = f"tc{os.getpid()}-{id(self) & 0xFFFFFF:x}"
         self._ids = itertools.count()
         self._streams = itertools.count()
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: pb_grpc.SandboxServiceStub | None = None
+        self._stub = LazyStub(endpoint, pb_grpc.SandboxServiceStub, _CHANNEL_OPTIONS)
         self._current: _Stream | None = None
         self._live: set[_Stream] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
         self.streams_opened = 0
         self.resent = 0
-
-    def _aio_stub(self) -> pb_grpc.SandboxServiceStub:
-        if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.endpoint, options=_CHANNEL_OPTIONS)
-            self._stub = pb_grpc.SandboxServiceStub(self._channel)
-        return self._stub
 
     async def execute(self, call: Call) -> pb.ExecutionResult:
         if self._closed:
@@ -171,7 +165,7 @@ class SandboxStreamExecutor:
         failure = ""
         # wait_for_ready: while the sandbox is unreachable (restarting, not up yet) calls
         # wait for it instead of failing at once; `deadline` bounds the wait.
-        responses = self._aio_stub().ExecuteStream(
+        responses = self._stub.get().ExecuteStream(
             requests(), wait_for_ready=True, metadata=self._metadata
         )
         try:
@@ -238,10 +232,7 @@ class SandboxStreamExecutor:
                         internal_result(waiting.execution.id, "the executor was closed")
                     )
         self._live.clear()
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
-            self._stub = None
+        await self._stub.close()
 
 
 class SandboxBatchExecutor:
