@@ -30,7 +30,7 @@ import uuid
 from typing import Any
 
 from aiohttp import web
-from kubestar.sandbox.http_front import (
+from kubestar.sandbox.http_dialect import (
     FieldError,
     Limits,
     Loc,

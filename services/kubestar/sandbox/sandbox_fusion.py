@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
-from kubestar.sandbox.http_front import (
+from kubestar.sandbox.http_dialect import (
     FieldError,
     Limits,
     Runner,
