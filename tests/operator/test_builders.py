@@ -548,11 +548,21 @@ def test_trainer_job_follows_the_contract() -> None:
 def test_trainer_role_is_limited_to_its_own_run() -> None:
     body, _, _, _ = tiny_run()
     role = build_trainer.role(body)
-    for rule in role["rules"]:
-        assert rule["resourceNames"] == ["tiny-cpu"]
-        assert rule["apiGroups"] == ["kubestar.dev"]
+    named = {
+        (rule["apiGroups"][0], rule["resources"][0]): rule["resourceNames"]
+        for rule in role["rules"]
+    }
+    assert named == {
+        ("kubestar.dev", "trainingruns"): ["tiny-cpu"],
+        ("kubestar.dev", "trainingruns/status"): ["tiny-cpu"],
+        ("", "configmaps"): ["tiny-cpu-metrics"],  # its metrics log, nothing else
+    }
     verbs = {rule["resources"][0]: rule["verbs"] for rule in role["rules"]}
-    assert verbs == {"trainingruns": ["get"], "trainingruns/status": ["get", "patch"]}
+    assert verbs == {
+        "trainingruns": ["get"],
+        "trainingruns/status": ["get", "patch"],
+        "configmaps": ["get", "patch"],
+    }
     binding = build_trainer.role_binding(body)
     assert binding["subjects"][0]["name"] == "tiny-cpu-trainer"
 
@@ -948,3 +958,27 @@ def test_every_pod_meets_the_restricted_pod_security_standard(accelerator: str) 
         parent("SandboxPool", "p"), pool_spec, by_user_namespace
     )
     assert restricted_violations(pod_of(workers)) == []
+
+
+def test_rank_0_alone_serves_metrics_through_a_service_and_scrape_annotations() -> None:
+    body, spec, fleet, pool = tiny_run()
+    spec = spec.model_copy(update={"trainer": spec.trainer.model_copy(update={"workers": 2})})
+    settings = OperatorSettings()
+    workers = build_trainer.jobs(body, spec, fleet, pool, settings)
+    templates = [job["spec"]["template"] for job in workers]
+    port = settings.ports.trainer_metrics
+    environments = [
+        trainer_contract.TrainerEnvironment.from_env(
+            {e["name"]: e["value"] for e in containers(job)[0]["env"]}
+        )
+        for job in workers
+    ]
+    assert [e.metrics_listen for e in environments] == [f":{port}", ""]
+    annotations = templates[0]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(port)
+    assert "annotations" not in templates[1]["metadata"]
+    log, service = build_trainer.telemetry(body, settings)
+    assert (log["kind"], log["metadata"]["name"]) == ("ConfigMap", "tiny-cpu-metrics")
+    assert "data" not in log and "binaryData" not in log  # the trainer's to fill
+    assert service["spec"]["selector"][build_trainer.LABEL_WORKER] == "0"
+    assert service["spec"]["ports"][0]["targetPort"] == port

@@ -397,6 +397,7 @@ NEEDED: list[Need] = [
             ("scheduler", "metrics"),
             ("engine-0", "http"),
             ("engine-1", "http"),
+            ("trainer-0", "metrics"),
         )
     ),
 ]

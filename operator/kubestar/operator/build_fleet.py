@@ -297,7 +297,11 @@ def engine_deployment(
                 "template": {
                     "metadata": {
                         "labels": o.labels("RolloutFleet", name, ENGINE),
-                        "annotations": {"kubestar.dev/served-model-name": SERVED_MODEL_NAME},
+                        "annotations": {
+                            "kubestar.dev/served-model-name": SERVED_MODEL_NAME,
+                            # vLLM's own metrics (vllm:*) on its serving port.
+                            **o.scrape_annotations(container, "http"),
+                        },
                     },
                     "spec": pod,
                 },
@@ -441,7 +445,10 @@ def scheduler_deployment(
                 "strategy": o.single_pod_rollout(settings.network.host_network),
                 "selector": {"matchLabels": o.selector_labels("RolloutFleet", name, SCHEDULER)},
                 "template": {
-                    "metadata": {"labels": o.labels("RolloutFleet", name, SCHEDULER)},
+                    "metadata": {
+                        "labels": o.labels("RolloutFleet", name, SCHEDULER),
+                        "annotations": o.scrape_annotations(container),
+                    },
                     "spec": pod,
                 },
             },

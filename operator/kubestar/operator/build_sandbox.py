@@ -228,7 +228,10 @@ def worker_statefulset(
                 "podManagementPolicy": "Parallel",
                 "selector": {"matchLabels": selector},
                 "template": {
-                    "metadata": {"labels": o.labels("SandboxPool", name, WORKER)},
+                    "metadata": {
+                        "labels": o.labels("SandboxPool", name, WORKER),
+                        "annotations": o.scrape_annotations(container),
+                    },
                     "spec": _pod_spec(spec, settings, container),
                 },
             },
@@ -304,7 +307,10 @@ def dispatcher_deployment(
                 "strategy": o.single_pod_rollout(settings.network.host_network),
                 "selector": {"matchLabels": selector},
                 "template": {
-                    "metadata": {"labels": o.labels("SandboxPool", name, DISPATCHER)},
+                    "metadata": {
+                        "labels": o.labels("SandboxPool", name, DISPATCHER),
+                        "annotations": o.scrape_annotations(container),
+                    },
                     "spec": _pod_spec(spec, settings, container),
                 },
             },

@@ -80,7 +80,8 @@ def service_account(run: Mapping[str, Any]) -> o.Obj:
 
 
 def trainer_rules(name: str) -> list[o.Obj]:
-    """May read its own TrainingRun and patch its status: resourceNames pins the run."""
+    """May read its own TrainingRun, patch its status and keep its metrics log: resourceNames
+    pins the run's."""
     return [
         {
             "apiGroups": [GROUP],
@@ -92,6 +93,12 @@ def trainer_rules(name: str) -> list[o.Obj]:
             "apiGroups": [GROUP],
             "resources": ["trainingruns/status"],
             "resourceNames": [name],
+            "verbs": ["get", "patch"],
+        },
+        {
+            "apiGroups": [""],
+            "resources": ["configmaps"],
+            "resourceNames": [c.metrics_log_name(name)],
             "verbs": ["get", "patch"],
         },
     ]
@@ -226,6 +233,8 @@ def trainer_env(
         "PYTHONUNBUFFERED": "1",
         "HOME": "/tmp",
     }
+    if worker == 0:
+        env[c.ENV_METRICS_LISTEN] = metrics_listen(settings)
     if settings.network.loopback_only:
         # torch.distributed's collectives (gloo) on the loopback interface only.
         env["GLOO_SOCKET_IFNAME"] = "lo"
@@ -356,6 +365,47 @@ def weights_listen(settings: OperatorSettings) -> str:
     return f":{settings.ports.trainer_weights}"
 
 
+def metrics_listen(settings: OperatorSettings) -> str:
+    """Where rank 0 serves Prometheus metrics: the pod's addresses, or the loopback."""
+    host = "127.0.0.1" if settings.network.loopback_only else ""
+    return f"{host}:{settings.ports.trainer_metrics}"
+
+
+def metrics_service_name(run: str) -> str:
+    return o.child_name(run, "trainer-metrics")
+
+
+def telemetry(run: Mapping[str, Any], settings: OperatorSettings) -> list[o.Obj]:
+    """The ConfigMap where rank 0 keeps the run's metrics log (made empty: the trainer
+    patches its data, which this operator never applies, so it keeps it), and a Service
+    for rank 0's Prometheus metrics (what a ServiceMonitor selects)."""
+    name = run["metadata"]["name"]
+    port = settings.ports.trainer_metrics
+    rank0 = {**o.selector_labels("TrainingRun", name, TRAINER), LABEL_WORKER: "0"}
+    return [
+        o.with_hash(
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": o.metadata(run, c.metrics_log_name(name), TRAINER),
+            }
+        ),
+        o.with_hash(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": o.metadata(run, metrics_service_name(name), TRAINER),
+                "spec": {
+                    "selector": rank0,
+                    "ports": [
+                        {"name": "metrics", "port": port, "targetPort": port, "protocol": "TCP"}
+                    ],
+                },
+            }
+        ),
+    ]
+
+
 def rendezvous_pod_address(pods: Sequence[Mapping[str, Any]]) -> str:
     """Worker 0's pod address (status.rendezvousAddress), once it has one; "" before."""
     for pod in pods:
@@ -408,13 +458,20 @@ def job(
     # SIGTERM makes the trainer checkpoint the step in progress and exit: give it the time.
     pod["terminationGracePeriodSeconds"] = settings.trainer.termination_grace_seconds
     worker_label = {LABEL_WORKER: str(worker)}
-    labels = {**o.labels("TrainingRun", name, TRAINER), **worker_label}
+    template: o.Obj = {"labels": {**o.labels("TrainingRun", name, TRAINER), **worker_label}}
+    if worker == 0:  # rank 0 serves the run's Prometheus metrics
+        container = pod["containers"][0]
+        port = settings.ports.trainer_metrics
+        container["ports"] = [{"name": "metrics", "containerPort": port, "protocol": "TCP"}]
+        if settings.network.host_network:
+            container["ports"][0]["hostPort"] = port
+        template["annotations"] = o.scrape_annotations(container)
     job_spec: o.Obj = {
         # A retry resumes from the newest checkpoint, if checkpoints outlive the pod.
         "backoffLimit": settings.trainer.backoff_limit
         if persistent_checkpoints(spec, settings)
         else 0,
-        "template": {"metadata": {"labels": labels}, "spec": pod},
+        "template": {"metadata": template, "spec": pod},
     }
     if server_version >= POD_FAILURE_POLICY_SINCE:
         # A pod lost to a drain, an eviction or a preemption is not the trainer's failure:
@@ -478,7 +535,8 @@ def network_policies(
     `R-trainer-rank0`, worker 0's pod, where rank 0 runs the agent loop and the weight
     server: it reaches its fleet's scheduler and its pool's dispatcher on gRPC, and it and
     its fleet's engines reach each other on every TCP port (a weights broadcast: see
-    build_fleet.network_policies; the engines' side admits it only for a broadcast fleet).
+    build_fleet.network_policies; the engines' side admits it only for a broadcast fleet);
+    scrapers reach its metrics port.
     The other ranks call no service: they follow rank 0's steps."""
     if not settings.network_policies.enabled or settings.network.host_network:
         return []
@@ -492,6 +550,7 @@ def network_policies(
         "SandboxPool", spec.sandbox_pool_ref.name, build_sandbox.DISPATCHER
     )
     every_port = {"ports": o.ALL_TCP}
+    scrapers = o.metrics_peers(settings.network_policies.metrics_from)
     api_server = o.api_server_egress(
         settings.network_policies.api_server_peers, settings.network.api_server_port
     )
@@ -509,7 +568,10 @@ def network_policies(
             rank0_policy_name(name),
             TRAINER,
             rank0,
-            ingress=[{"from": [o.pods_of(engines)], **every_port}],
+            ingress=[
+                {"from": [o.pods_of(engines)], **every_port},
+                {"from": scrapers, "ports": o.tcp_ports("metrics")},
+            ],
             egress=[
                 {"to": [o.pods_of(scheduler)], "ports": o.tcp_ports("grpc")},
                 {"to": [o.pods_of(dispatcher)], "ports": o.tcp_ports("grpc")},

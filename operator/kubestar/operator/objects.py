@@ -260,6 +260,17 @@ def metrics_peers(peers: list[Obj]) -> list[Obj]:
     return [dict(peer) for peer in peers] or [{"podSelector": {}}]
 
 
+def scrape_annotations(container: Obj, port: str = "metrics") -> dict[str, str]:
+    """The prometheus.io annotations of a pod whose `container` serves /metrics on its port
+    named `port`: what a Prometheus without the Prometheus operator discovers pods by."""
+    number = next(p["containerPort"] for p in container["ports"] if p["name"] == port)
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(number),
+        "prometheus.io/path": "/metrics",
+    }
+
+
 def listen_address(host: str, port: int) -> str:
     """HOST:PORT for a server's listen flag ([HOST]:PORT for an IPv6 address)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -67,6 +67,9 @@ class Ports(_Settings):
     # Worker 0's WeightServer, which broadcasts each step's weights to the fleet's engines
     # (spec.weightSync broadcast). With hostNetwork any free port: the trainer says which.
     trainer_weights: int = 29600
+    # Worker 0's Prometheus metrics (rank 0's); on the host's network too: one trainer per
+    # node serves them there, the next one's are logged as missing.
+    trainer_metrics: int = 9093
 
 
 class SandboxDefaults(_Settings):

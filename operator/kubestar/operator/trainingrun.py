@@ -432,6 +432,7 @@ async def reconcile(ctx: Context, run: dict[str, Any]) -> None:
             [
                 build_trainer.config_map(run, spec),
                 *build_trainer.rbac(run),
+                *build_trainer.telemetry(run, settings),
                 *build_trainer.auth(run, settings),
                 *build_trainer.network_policies(run, spec, settings),
             ],
