@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from kubestar.api import conditions, trainer_contract
 from kubestar.api.conditions import (
@@ -24,7 +24,7 @@ from kubestar.api.v1alpha1 import (
 from kubestar.operator import conditions as cond
 from kubestar.operator import rolloutfleet, sandboxpool
 from kubestar.operator import trainingrun as tr
-from kubestar.operator.reconciler import Context, EngineProbe, SchedulerProbe
+from kubestar.operator.reconciler import EngineProbe, SchedulerProbe
 from kubestar.operator.rolloutfleet import fleet_status
 from kubestar.operator.sandboxpool import pool_status
 from kubestar.operator.settings import OperatorSettings
@@ -268,7 +268,7 @@ def test_fleet_status_reports_engines_and_kv_capacity() -> None:
     assert (ready.status, ready.reason) == ("False", "EnginesTakenOut")
 
 
-def test_the_fleet_keeps_the_weights_served_and_restores_them_once() -> None:
+def test_the_fleet_reports_the_weights_served() -> None:
     served = SchedulerProbe({}, 4, "/c/weights/v000004")
     restarted = SchedulerProbe({}, 0, "")
     recorded = {"version": 3, "path": "/c/weights/v000003"}
@@ -278,34 +278,6 @@ def test_the_fleet_keeps_the_weights_served_and_restores_them_once() -> None:
     assert rolloutfleet.served_weights(recorded, restarted) == recorded
     assert rolloutfleet.served_weights(recorded, None) == recorded
     assert rolloutfleet.served_weights(None, restarted) is None
-    # Only a scheduler that serves none while the fleet's engines served some is restored.
-    assert rolloutfleet.weights_to_restore(recorded, restarted) == (recorded["path"], 3)
-    assert rolloutfleet.weights_to_restore(recorded, served) is None
-    assert rolloutfleet.weights_to_restore(recorded, None) is None
-    assert rolloutfleet.weights_to_restore(None, restarted) is None
-
-
-async def test_weights_that_cannot_be_restored_are_forgotten() -> None:
-    spec = RolloutFleetSpec.model_validate({"replicas": 1, "accelerator": "cpu"})
-    asked: list[tuple[str, str, str, int, float]] = []
-
-    async def restore(
-        endpoint: str, namespace: str, path: str, version: int, timeout: float
-    ) -> int:
-        asked.append((endpoint, namespace, path, version, timeout))
-        if path.endswith("gone"):
-            raise RuntimeError("no such folder")
-        return 7 if path.endswith("raced") else version
-
-    ctx = Context(kube=cast(Any, None), settings=OperatorSettings(), restore_weights=restore)
-    restored = await rolloutfleet.restore_weights(ctx, "s:1", "team", spec, "/w/v3", 3)
-    assert restored == {"version": 3, "path": "/w/v3"}
-    timeout = spec.scheduler.weights_reload_timeout_seconds + 60
-    assert asked == [("s:1", "team", "/w/v3", 3, timeout)]
-    # Gone with a finished run: forgotten, so no reconcile asks again.
-    assert await rolloutfleet.restore_weights(ctx, "s:1", "team", spec, "/w/v3-gone", 3) is None
-    # A trainer's push came first: the next probe records what it pushed.
-    assert await rolloutfleet.restore_weights(ctx, "s:1", "team", spec, "/w/v3-raced", 3) is None
 
 
 SPEC = TrainingRunSpec.model_validate(

@@ -382,7 +382,7 @@ NEEDED: list[Need] = [
     *both_ways("engine-1", "trainer-0", BROADCAST),
     *both_ways("engine-0", "engine-1", BROADCAST),
     Need("scheduler", "api-server", 6443, "engine discovery: lists the fleet's pods"),
-    Need(f"{OPERATOR_NAMESPACE}/operator", "scheduler", "grpc", "probe (KV capacity), restore"),
+    Need(f"{OPERATOR_NAMESPACE}/operator", "scheduler", "grpc", "probe (KV capacity, weights)"),
     # The sandbox.
     Need("sandbox-dispatcher", "sandbox-worker-0", "grpc", "executes calls"),
     Need("sandbox-dispatcher", "sandbox-worker-1", "grpc", "executes calls"),

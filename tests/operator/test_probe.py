@@ -1,7 +1,8 @@
 """The fleet status's KV capacity and weights come from the rollout scheduler
-(GetSchedulerStatus), and a restarted scheduler is given its weights back: `scheduler_probe`
-and `scheduler_restore` against a real `kubestar scheduler serve` process fronting a stand-in
-engine that answers /health, /metrics and the weight reload the way vLLM does."""
+(GetSchedulerStatus): `scheduler_probe` against a real `kubestar scheduler serve` process
+fronting a stand-in engine that answers /health, /metrics and the weight reload the way vLLM
+does. The operator only reports the weights; the trainer pushes them (again after a restart:
+tests/training/test_resilience.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 from aiohttp import web
 from kubestar.common.net import free_port
 from kubestar.engine.weight_sync import ROUTE
-from kubestar.operator.main import scheduler_probe, scheduler_restore
+from kubestar.operator.main import scheduler_probe
+from kubestar.scheduler.client import SchedulerClient
 
 METRICS = """# TYPE vllm:cache_config_info gauge
 vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="257"} 1.0
@@ -62,7 +64,7 @@ async def engine() -> AsyncIterator[str]:
     await runner.cleanup()
 
 
-async def test_probe_reads_capacity_and_weights_and_a_restore_loads_once(engine: str) -> None:
+async def test_probe_reads_capacity_and_weights(engine: str) -> None:
     port = free_port()
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kubestar.cli.main", "scheduler", "serve",
@@ -87,15 +89,13 @@ async def test_probe_reads_capacity_and_weights_and_a_restore_loads_once(engine:
         assert probe.capacity_tokens == 257 * 16
         assert probe.kv_usage == pytest.approx(0.25, abs=0.01)
         assert probe.taken_out == ""
-        # Started, it serves the engines' own weights: the operator gives it the fleet's.
+        # Started, it serves the engines' own weights, until a trainer pushes its own.
         assert (scheduler.weights_version, scheduler.weights_path) == (0, "")
-        assert await scheduler_restore(endpoint, "default", "/ckpt/weights/v000005", 5, 30.0) == 5
+        async with SchedulerClient(endpoint, timeout=10) as trainer:
+            await trainer.update_weights("/ckpt/weights/v000005", 5, timeout=30.0)
         assert RELOADS == ["/ckpt/weights/v000005"]
         after = await scheduler_probe(endpoint, "default")
         assert after and (after.weights_version, after.weights_path) == (5, RELOADS[0])
-        # A second restore (a reconcile that raced the first) loads nothing again.
-        assert await scheduler_restore(endpoint, "default", "/ckpt/weights/v000004", 4, 30.0) == 5
-        assert RELOADS == ["/ckpt/weights/v000005"]
     finally:
         process.terminate()
         await asyncio.wait_for(process.wait(), 30)

@@ -38,7 +38,6 @@ from kubestar.operator.reconciler import (
     SchedulerProbe,
     WorkQueue,
     no_probe,
-    no_restore,
 )
 from kubestar.operator.settings import OperatorSettings
 
@@ -108,21 +107,6 @@ async def scheduler_probe(endpoint: str, namespace: str, token: str = "") -> Sch
     return SchedulerProbe(engines, int(status.weights_version), status.weights_path)
 
 
-async def scheduler_restore(
-    endpoint: str, namespace: str, path: str, version: int, timeout: float, token: str = ""
-) -> int:
-    """Give a restarted scheduler back the weights its engines served (every engine reloads
-    them, hence `timeout`); the version served after."""
-    from kubestar.scheduler.client import SchedulerClient
-
-    client = SchedulerClient(endpoint, token=_token_of(namespace, token))
-    try:
-        answer = await client.update_weights(path, version, timeout=timeout, restore=True)
-    finally:
-        await client.close()
-    return int(answer.version)
-
-
 @dataclass
 class Runtime:
     """The operator's state: the queue, and indexes built from watch events."""
@@ -145,13 +129,7 @@ class Runtime:
         cls, settings: OperatorSettings, connection: k.Connection, probe: bool = True
     ) -> Runtime:
         asked = functools.partial(scheduler_probe, token=settings.auth.token)
-        restore = functools.partial(scheduler_restore, token=settings.auth.token)
-        context = Context(
-            k.Kube(connection),
-            settings,
-            asked if probe else no_probe,
-            restore if probe else no_restore,
-        )
+        context = Context(k.Kube(connection), settings, asked if probe else no_probe)
         return cls(settings, connection, context)
 
     # --- events ------------------------------------------------------------------------

@@ -102,17 +102,10 @@ class SchedulerProbe(NamedTuple):
 # Scheduler probe: (endpoint, the fleet's namespace, whose token it takes) -> what the
 # scheduler says, or None.
 Probe = Callable[[str, str], Awaitable[SchedulerProbe | None]]
-# (endpoint, namespace, weights path, version, timeout) -> the version the scheduler serves
-# after being asked to restore those weights (UpdateWeightsRequest.restore).
-RestoreWeights = Callable[[str, str, str, int, float], Awaitable[int]]
 
 
 async def no_probe(endpoint: str, namespace: str) -> SchedulerProbe | None:
     return None
-
-
-async def no_restore(endpoint: str, namespace: str, path: str, version: int, timeout: float) -> int:
-    raise RuntimeError("this operator does not talk to schedulers (--no-probe)")
 
 
 @dataclass
@@ -120,7 +113,6 @@ class Context:
     kube: k.Kube
     settings: OperatorSettings
     probe: Probe = no_probe
-    restore_weights: RestoreWeights = no_restore
     # (kind, namespace, name) -> hash last applied (skips a GET when unchanged).
     applied: dict[tuple[str, str, str], str] = field(default_factory=dict)
     # The resourceVersion of each resource after our own last status patch: the watch event

@@ -3,8 +3,9 @@ reports ready engines, each engine's KV capacity (asked of the scheduler, which 
 `vllm:cache_config_info`), the scheduler's endpoint, the weights the engines serve, and a
 Ready condition that names what is wrong (no free GPUs, image pulls, crash loops, OOM kills).
 
-The weights live in the scheduler's memory only; the status keeps them, and a restarted
-scheduler (which serves none) is given them back before a trainer asks for a rollout."""
+The weights live in the scheduler's memory only; the status reports them. A restarted
+scheduler serves none until the trainer, which owns them, pushes its latest again (before its
+next rollout, kubestar.training.resilience.ensure_weights): the operator only reports."""
 
 from __future__ import annotations
 
@@ -65,16 +66,6 @@ def served_weights(
     if probe is not None and probe.weights_path:
         return {"version": probe.weights_version, "path": probe.weights_path}
     return dict(recorded) if recorded else None
-
-
-def weights_to_restore(
-    recorded: Mapping[str, Any] | None, probe: SchedulerProbe | None
-) -> tuple[str, int] | None:
-    """(path, version) to give back to a scheduler that serves no weights although the
-    fleet's engines served these: it restarted."""
-    if probe is None or probe.weights_path or not recorded or not recorded.get("path"):
-        return None
-    return str(recorded["path"]), int(recorded.get("version", 0))
 
 
 def fleet_status(
@@ -198,33 +189,9 @@ async def reconcile(ctx: Context, fleet: dict[str, Any]) -> None:
             probe = await ctx.probe(endpoint, meta["namespace"])
         except Exception as error:  # the scheduler may be starting: report without capacity
             log.info("scheduler %s not answering: %s", endpoint, error)
-        restore = weights_to_restore(recorded, probe)
-        if restore:
-            recorded = await restore_weights(ctx, endpoint, meta["namespace"], spec, *restore)
     weights = served_weights(recorded, probe)
     capacities = probe.engines if probe else None
     status, ready = fleet_status(
         fleet, spec, engines, scheduler, pods, capacities, ctx.settings, weights
     )
     await ctx.set_conditions(fleet, [ready], status)
-
-
-async def restore_weights(
-    ctx: Context,
-    endpoint: str,
-    namespace: str,
-    spec: RolloutFleetSpec,
-    path: str,
-    version: int,
-) -> dict[str, Any] | None:
-    """Give a restarted scheduler the weights its engines served; what status.weights keeps
-    after: those (or a trainer's newer push that came first), or nothing if they cannot be
-    loaded any more (their folder deleted with a finished run, say: forgotten, not retried)."""
-    timeout = spec.scheduler.weights_reload_timeout_seconds + 60
-    try:
-        served = await ctx.restore_weights(endpoint, namespace, path, version, timeout)
-    except Exception as error:
-        log.warning("restoring weights v%d (%s) to %s failed: %s", version, path, endpoint, error)
-        return None
-    log.info("restored weights v%d (%s) to the restarted scheduler %s", version, path, endpoint)
-    return {"version": served, "path": path} if served == version else None

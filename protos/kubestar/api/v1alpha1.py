@@ -1387,8 +1387,8 @@ class RolloutFleetStatus(Spec):
     weights: WeightsStatus | None = Field(
         None,
         description="The policy weights the engines serve, as the scheduler last reported "
-        "them; a restarted scheduler, which starts with the engines' own, is given these "
-        "again by the operator. Unset until a trainer pushes weights.",
+        "them; a restarted scheduler, which starts with the engines' own, gets the trainer's "
+        "latest again before its next rollout. Unset until a trainer pushes weights.",
     )
     conditions: list[Condition] = _conditions()
 

@@ -9,9 +9,10 @@ finished loading after `reload_timeout` seconds, is taken out (it loads the curr
 when it comes back, before its first turn); an update with no engine up is recorded for the
 same reason, so the trainer need not fail.
 
-A scheduler starts knowing no weights. The operator keeps the last ones it saw in the
-fleet's status and gives them back to a restarted scheduler with a *restore*, which loads
-only if nothing was loaded since the start: a trainer's push that came first is newer.
+A scheduler starts knowing no weights. The trainer owns them: before each rollout it asks
+which weights the scheduler serves and pushes its latest again when a restart lost them
+(kubestar.training.resilience.ensure_weights); engines that join afterwards load those. A
+*restore* loads only if nothing was loaded since the start (a push that came first is newer).
 """
 
 from __future__ import annotations
@@ -21,18 +22,28 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kubestar.engine.weight_sync import is_broadcast, new_session
 from kubestar.scheduler import proto
 from kubestar.scheduler.errors import NoEngineAvailable
 from kubestar.scheduler.metrics import SchedulerMetrics
+from kubestar.scheduler.records import Engine
 from kubestar.v1 import rollout_pb2 as pb
 
-if TYPE_CHECKING:
-    from kubestar.scheduler.engines import Engine, Engines
-
 log = logging.getLogger(__name__)
+
+
+class Fleet(Protocol):
+    """What an update needs of the engines (`kubestar.scheduler.engines.Engines`)."""
+
+    def admitting(self) -> list[Engine]:
+        """The engines that take turns: they load the new weights."""
+        ...
+
+    def failed(self, engine: Engine, error: BaseException) -> None:
+        """Take out an engine that failed to load them."""
+        ...
 
 
 class WeightUpdates:
@@ -63,7 +74,7 @@ class WeightUpdates:
         self,
         weights_path: str,
         version: int | None,
-        engines: Engines,
+        engines: Fleet,
         quiesced: Callable[[], AbstractAsyncContextManager[float]],
         restore: bool = False,
     ) -> pb.UpdateWeightsResponse:
