@@ -3,6 +3,7 @@
 * `kubestar.scheduler.core`: the pure core (engine state, /metrics parsing, policies).
 * `kubestar.scheduler.scheduler`: the async scheduler: the queue of turns, admission,
   segments and moves.
+* `kubestar.scheduler.records`: a turn and an engine, as the modules below share them.
 * `kubestar.scheduler.engines`: the engines' health (scrapes, failures, probes) and prefix
   affinity.
 * `kubestar.scheduler.weights`: weight updates pushed to every engine.

@@ -17,36 +17,16 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kubestar.engine.client import EngineClient, EngineError
 from kubestar.scheduler.config import SchedulerConfig
 from kubestar.scheduler.core import EngineState, apply_sample, parse_vllm_metrics
 from kubestar.scheduler.errors import UnknownEngine
 from kubestar.scheduler.metrics import SchedulerMetrics
+from kubestar.scheduler.records import Engine
 from kubestar.scheduler.weights import WeightUpdates
 
-if TYPE_CHECKING:
-    from kubestar.scheduler.scheduler import Turn
-
 log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class Engine:
-    """One engine: its state as the policies see it, its client, and the turns running on it."""
-
-    state: EngineState
-    client: EngineClient
-    turns: set[Turn] = field(default_factory=set)
-    watcher: asyncio.Task[None] | None = None
-    first_probe: asyncio.Event = field(default_factory=asyncio.Event)
-    # Blocks released by finished turns, ever (to tell which a scrape may not show yet).
-    released_total: int = 0
-    failures: int = 0
-    # When the engine last answered a scrape (monotonic seconds).
-    last_answer: float = field(default_factory=time.monotonic)
 
 
 class Engines:

@@ -11,7 +11,7 @@ from kubestar.scheduler.core import KV_AWARE, LEAST_REQUESTS, ROUND_ROBIN, Engin
 from kubestar.v1 import rollout_pb2 as pb
 
 if TYPE_CHECKING:
-    from kubestar.scheduler.scheduler import Turn
+    from kubestar.scheduler.records import Turn
 
 POLICY_TO_PROTO = {
     KV_AWARE: pb.SCHEDULING_POLICY_KV_AWARE,

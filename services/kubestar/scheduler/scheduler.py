@@ -18,9 +18,9 @@ timeout) takes that engine out, and every turn in flight there is sent again els
 turn fails only when no engine is left (or after `max_attempts` engines failed under it); an
 HTTP 4xx is the turn's own fault and is returned as is, without a retry.
 
-The rest of the scheduler lives beside this module: the engines, their health and prefix
-affinity in `engines`, weight updates in `weights`, the answers as protobuf messages in
-`proto`, settings in `config` and errors in `errors`.
+The rest of the scheduler lives beside this module: the turn and engine records in `records`,
+the engines, their health and prefix affinity in `engines`, weight updates in `weights`, the
+answers as protobuf messages in `proto`, settings in `config` and errors in `errors`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from kubestar.engine.client import Completion, EngineError
 from kubestar.scheduler import proto
@@ -52,7 +52,7 @@ from kubestar.scheduler.core import (
     segment_to_move,
     tokens_through,
 )
-from kubestar.scheduler.engines import Engine, Engines
+from kubestar.scheduler.engines import Engines
 from kubestar.scheduler.errors import (
     NoEngineAvailable,
     SchedulerDraining,
@@ -60,54 +60,11 @@ from kubestar.scheduler.errors import (
     TurnRejected,
 )
 from kubestar.scheduler.metrics import SchedulerMetrics
+from kubestar.scheduler.records import Engine, SegmentCallback, Turn
 from kubestar.scheduler.weights import WeightUpdates
 from kubestar.v1 import rollout_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-
-# A finished part of a turn: its token ids, text and (when asked for) logprobs.
-SegmentCallback = Callable[[list[int], str, list[float]], None]
-
-
-@dataclass(eq=False)
-class Turn:
-    """One turn of a trajectory, from Generate until its response: queued, or running on an
-    engine (a whole turn, or one of its segments)."""
-
-    # The whole turn (prompt + every new token it may generate).
-    whole: TurnRequest
-    # What the policy admits next: the whole turn, or its next segment.
-    request: TurnRequest
-    prompt_token_ids: list[int]
-    sampling: pb.SamplingParams
-    future: asyncio.Future[pb.GenerateResponse]
-    arrived: float
-    queued_since: float
-    queue_seconds: float = 0.0
-    generate_seconds: float = 0.0
-    attempts: int = 0
-    reserved: int = 0
-    task: asyncio.Task[None] | None = None
-    # Set before cancelling the turn's task when its engine failed or was removed.
-    retry_on_cancel: bool = False
-    # Set before cancelling the turn's task to restart its segment on an idle engine.
-    moving: bool = False
-    # When its current admission was sent (monotonic seconds).
-    sent_at: float = 0.0
-    # What the segments done so far generated.
-    segments: int = 0
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[float] = field(default_factory=list)
-    # Called with each finished segment's tokens, text and logprobs (streaming callers).
-    on_segment: SegmentCallback | None = None
-    # A turn of n > 1 samples: its n completions, once generated (it runs whole).
-    completions: list[Completion] = field(default_factory=list)
-
-    @property
-    def remaining(self) -> int:
-        return self.whole.max_new_tokens - len(self.token_ids)
 
 
 class Scheduler:
