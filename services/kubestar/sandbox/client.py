@@ -2,59 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 import grpc
 from kubestar.common.auth import call_metadata, client_token
 from kubestar.common.stubs import LazyStub
 from kubestar.sandbox.limits import MAX_MESSAGE_BYTES, message_options
 from kubestar.sandbox.metrics import status_label
+from kubestar.sandbox.retries import RETRY_DELAYS, with_retries, with_retries_async
 from kubestar.v1 import sandbox_pb2 as pb
 from kubestar.v1 import sandbox_pb2_grpc as pb_grpc
 
 _CHANNEL_OPTIONS = message_options()
-# Waits before asking again a server that refused an RPC before running it: unreachable
-# (UNAVAILABLE: restarting, or a stream refused while a connection starts) or over its bound
-# on RPCs at once (RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!"). Some 25 s in all: a
-# burst of a step's calls is slowed, not lost. A request too large is refused for good.
-RETRY_DELAYS = (0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0, 8.0)
-T = TypeVar("T")
-
-
-def refused_before_running(error: grpc.RpcError) -> bool:
-    """The server refused the RPC before any call of it ran: asking again is safe."""
-    code = error.code()  # type: ignore[attr-defined]
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return True
-    details = error.details() or ""  # type: ignore[attr-defined]
-    return code == grpc.StatusCode.RESOURCE_EXHAUSTED and "Concurrent RPC limit" in details
-
-
-def with_retries(delays: Sequence[float], rpc: Callable[[], T]) -> T:
-    for delay in (*delays, None):
-        try:
-            return rpc()
-        except grpc.RpcError as error:
-            if delay is None or not refused_before_running(error):
-                raise
-            time.sleep(delay)
-    raise AssertionError("unreachable")
-
-
-async def with_retries_async(delays: Sequence[float], rpc: Callable[[], Awaitable[T]]) -> T:
-    for delay in (*delays, None):
-        try:
-            return await rpc()
-        except grpc.RpcError as error:
-            if delay is None or not refused_before_running(error):
-                raise
-            await asyncio.sleep(delay)
-    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)

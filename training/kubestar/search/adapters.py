@@ -17,7 +17,6 @@ values come from `mcts.GroundTruth` and from `kubestar.scoring.client.PpmScorer`
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,12 +26,13 @@ import grpc
 from kubestar.api.errors import KubestarError
 from kubestar.sandbox.client import Call
 from kubestar.sandbox.metrics import status_label
+from kubestar.sandbox.retries import SandboxRetries, infra_failed
 from kubestar.scheduler.client import completions
 from kubestar.search.mcts import Execution, Proposal
 from kubestar.search.ppm_data import Encode, path_token_ids
 from kubestar.search.steps import StepFormat
 from kubestar.search.tree import Node
-from kubestar.training.tools import INFRA_ERRORS, render_result
+from kubestar.training.tools import render_result
 from kubestar.v1 import rollout_pb2 as rpb
 from kubestar.v1 import sandbox_pb2 as spb
 
@@ -166,8 +166,7 @@ class SandboxExecutor:
         self.sandbox = sandbox
         self.timeout_seconds = timeout_seconds
         self.memory_bytes = memory_bytes
-        self.max_attempts = max(1, max_attempts)
-        self.retry_delay = retry_delay
+        self.retries = SandboxRetries(max_attempts, retry_delay)
         self.batches = 0
         self.retried = 0
 
@@ -179,27 +178,30 @@ class SandboxExecutor:
         results: list[spb.ExecutionResult | None] = [None] * len(calls)
         pending = list(range(len(calls)))
         failure: spb.ExecutionResult | None = None
-        for attempt in range(self.max_attempts):
+
+        async def attempt(number: int) -> bool:
+            nonlocal pending, failure
             if not pending:
-                break
-            if attempt:
+                return True
+            if number > 1:
                 self.retried += len(pending)
-                await asyncio.sleep(self.retry_delay * attempt)
             self.batches += 1
             answers = await self.sandbox.aexecute_batch([calls[i] for i in pending])
             failed = []
             for index, answer in zip(pending, answers, strict=True):
-                if status_label(answer.status) in INFRA_ERRORS:
+                if infra_failed(answer):
                     failed.append(index)
                     failure = answer
                 else:
                     results[index] = answer
             pending = failed
-        if pending:
+            return not pending
+
+        if not await self.retries.run(attempt):
             assert failure is not None
             raise SandboxUnavailable(
                 f"sandbox {self.sandbox.endpoint}: {len(pending)} of {len(calls)} programs got "
-                f"no answer in {self.max_attempts} attempts ({status_label(failure.status)}: "
+                f"no answer in {self.retries.attempts} attempts ({status_label(failure.status)}: "
                 f"{failure.message or 'no message'}): is the sandbox overloaded or failing?"
             )
         return [execution(result) for result in results if result is not None]

@@ -29,6 +29,7 @@ import grpc
 from kubestar.common.auth import call_metadata, client_token
 from kubestar.common.stubs import LazyStub
 from kubestar.sandbox.client import MAX_MESSAGE_BYTES, Call, SandboxClient
+from kubestar.sandbox.retries import SandboxRetries, internal_result, rpc_failure
 from kubestar.v1 import sandbox_pb2 as pb
 from kubestar.v1 import sandbox_pb2_grpc as pb_grpc
 
@@ -47,10 +48,6 @@ class ToolExecutor(Protocol):
     async def execute(self, call: Call) -> pb.ExecutionResult: ...
 
     async def close(self) -> None: ...
-
-
-def internal_result(call_id: str, message: str) -> pb.ExecutionResult:
-    return pb.ExecutionResult(id=call_id, status=pb.EXECUTION_STATUS_INTERNAL, message=message)
 
 
 def _execution(call: Call, call_id: str) -> pb.Execution:
@@ -103,8 +100,7 @@ class SandboxStreamExecutor:
     ) -> None:
         self.endpoint = endpoint
         self._metadata = call_metadata(client_token(token))
-        self.max_attempts = max_attempts
-        self.retry_delay = retry_delay
+        self.retries = SandboxRetries(max_attempts, retry_delay)
         self.max_calls_per_stream = max_calls_per_stream
         self.deadline = deadline
         self._prefix = f"tc{os.getpid()}-{id(self) & 0xFFFFFF:x}"
@@ -176,7 +172,7 @@ class SandboxStreamExecutor:
         except asyncio.CancelledError:
             raise
         except grpc.RpcError as exc:
-            failure = f"sandbox stream failed: {exc.code()}: {exc.details()}"
+            failure = rpc_failure("stream", exc)
         except Exception as exc:  # never leave callers waiting
             failure = f"sandbox stream failed: {exc!r}"
         finally:
@@ -194,7 +190,7 @@ class SandboxStreamExecutor:
             )
         for waiting in left:
             waiting.attempts += 1
-            if waiting.attempts >= self.max_attempts or self._closed:
+            if not self.retries.again(waiting.attempts) or self._closed:
                 if not waiting.future.done():
                     waiting.future.set_result(
                         internal_result(
@@ -207,7 +203,7 @@ class SandboxStreamExecutor:
                 task.add_done_callback(self._tasks.discard)
 
     async def _resend(self, waiting: _Waiting) -> None:
-        await asyncio.sleep(self.retry_delay * waiting.attempts)
+        await self.retries.wait(waiting.attempts)
         self.resent += 1
         self._submit(waiting)
 
@@ -250,8 +246,7 @@ class SandboxBatchExecutor:
         self.client = SandboxClient(endpoint, timeout=timeout)
         self.window = window
         self.max_batch = max_batch
-        self.max_attempts = max_attempts
-        self.retry_delay = retry_delay
+        self.retries = SandboxRetries(max_attempts, retry_delay)
         self._prefix = f"tb{os.getpid()}-{id(self) & 0xFFFFFF:x}"
         self._ids = itertools.count()
         self._buffer: list[tuple[Call, asyncio.Future[pb.ExecutionResult]]] = []
@@ -294,19 +289,23 @@ class SandboxBatchExecutor:
         calls = [call for call, _ in batch]
         failure = ""
         started = time.monotonic()
-        for attempt in range(self.max_attempts):
+
+        async def attempt(_: int) -> bool:
+            nonlocal failure
             try:
                 results = await self.client.aexecute_batch(calls)
             except grpc.RpcError as exc:
-                failure = f"sandbox batch failed: {exc.code()}: {exc.details()}"
-                await asyncio.sleep(self.retry_delay * (attempt + 1))
-                continue
+                failure = rpc_failure("batch", exc)
+                return False
             by_id = {result.id: result for result in results}
             for call, future in batch:
                 if not future.done():
                     future.set_result(
                         by_id.get(call.id) or internal_result(call.id, "no result in the batch")
                     )
+            return True
+
+        if await self.retries.run(attempt):
             return
         log.warning(
             "sandbox batch failed",

@@ -41,9 +41,10 @@ from typing import Any
 
 from kubestar.sandbox.client import Call
 from kubestar.sandbox.metrics import status_label
+from kubestar.sandbox.retries import internal_result
 from kubestar.training.chat import ChatTokenizer
 from kubestar.training.datasets import Problem
-from kubestar.training.executors import ToolExecutor, internal_result
+from kubestar.training.executors import ToolExecutor
 from kubestar.training.generators import LENGTH, Generation, GenerationError, Generator, Sampling
 from kubestar.training.rewards import RewardScorer
 from kubestar.training.tools import (

@@ -72,9 +72,6 @@ SKIPPED = "skipped"
 # A call that passed the parser and waits for the sandbox.
 PENDING = "pending"
 PARSE_ERRORS = frozenset({MALFORMED, UNKNOWN_TOOL, BAD_ARGUMENTS, REJECTED})
-# Sandbox statuses that are the service's fault, not the code's (`unspecified`: an answer
-# without a status, which no healthy sandbox sends).
-INFRA_ERRORS = frozenset({"queue-timeout", "internal", "unspecified"})
 
 PYTHON_TOOL_SCHEMA: dict[str, Any] = {
     "type": "function",

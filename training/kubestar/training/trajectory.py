@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kubestar.training.tools import INFRA_ERRORS, PARSE_ERRORS, SKIPPED, TRUNCATED
+from kubestar.sandbox.retries import INFRA_STATUSES
+from kubestar.training.tools import PARSE_ERRORS, SKIPPED, TRUNCATED
 
 # How a trajectory ended.
 ANSWERED = "answered"  # the last turn made no tool call and gave a \boxed{} answer
@@ -69,7 +70,7 @@ class ToolCallRecord:
 
     @property
     def infra_error(self) -> bool:
-        return self.status in INFRA_ERRORS
+        return self.status in INFRA_STATUSES
 
 
 @dataclass
