@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kubestar.cli.sandbox import serve_command
 from kubestar.common.auth import ENV_TOKEN, ENV_TOKEN_FILE, AuthConfigError
 from kubestar.sandbox.client import Call, SandboxClient
+from kubestar.sandbox.retries import SandboxRetries
 from kubestar.sandbox.server import SERVICE_NAME, ServerConfig
 from kubestar.training.executors import SandboxStreamExecutor
 from kubestar.v1 import sandbox_pb2 as pb
@@ -194,7 +195,9 @@ async def test_the_trainers_stream_executor_sends_the_token(
     given = SandboxStreamExecutor(worker.endpoint, token=TOKEN, deadline=30)
     monkeypatch.setenv(ENV_TOKEN, TOKEN)
     from_environment = SandboxStreamExecutor(worker.endpoint, deadline=30)
-    without = SandboxStreamExecutor(worker.endpoint, token="", deadline=30, max_attempts=1)
+    without = SandboxStreamExecutor(
+        worker.endpoint, token="", deadline=30, retries=SandboxRetries(attempts=1)
+    )
     try:
         for tools in (given, from_environment):
             result = await tools.execute(Call(code="print(6 * 7)"))

@@ -74,7 +74,7 @@ class FlakySandbox:
 
 @pytest.mark.parametrize(("refusals", "status"), [(2, "ok"), (3, "internal")])
 async def test_the_batch_executor_sends_a_refused_batch_again(refusals: int, status: str) -> None:
-    executor = SandboxBatchExecutor("127.0.0.1:1", window=0.0, retry_delay=0.0)
+    executor = SandboxBatchExecutor("127.0.0.1:1", window=0.0, retries=SandboxRetries(delay=0.0))
     flaky = FlakySandbox(refusals)
     executor.client = flaky  # type: ignore[assignment]
     result = await executor.execute(Call(code="print(1)"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+from kubestar.sandbox.retries import SandboxRetries
 from kubestar.search.adapters import (
     SandboxExecutor,
     SandboxUnavailable,
@@ -136,7 +137,7 @@ async def test_a_trees_expansions_share_its_affinity_key_and_engine() -> None:
 
 async def test_a_sandbox_failure_is_retried_not_a_failed_step() -> None:
     sandbox = FakeSandbox(infra_failures=1)
-    executor = SandboxExecutor(sandbox, retry_delay=0.0)
+    executor = SandboxExecutor(sandbox, retries=SandboxRetries(delay=0.0))
     results = await executor.run(["print(1)", "print(2)"])
     assert [(r.output, r.failed) for r in results] == [("1\n", False), ("2\n", False)]
     assert sandbox.batches == [["print(1)", "print(2)"], ["print(1)"]]
@@ -144,7 +145,9 @@ async def test_a_sandbox_failure_is_retried_not_a_failed_step() -> None:
 
 
 async def test_a_sandbox_that_keeps_failing_stops_the_search() -> None:
-    executor = SandboxExecutor(FakeSandbox(infra_failures=10), max_attempts=3, retry_delay=0.0)
+    executor = SandboxExecutor(
+        FakeSandbox(infra_failures=10), retries=SandboxRetries(attempts=3, delay=0.0)
+    )
     with pytest.raises(SandboxUnavailable, match=r"fake-sandbox: 1 of 1 programs .* 3 attempts"):
         await executor.run(["print(1)"])
 

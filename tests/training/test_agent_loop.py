@@ -17,6 +17,7 @@ import pytest
 from kubestar.api.v1alpha1 import CallLimitsSpec
 from kubestar.common.net import free_port
 from kubestar.sandbox.client import Call
+from kubestar.sandbox.retries import SandboxRetries
 from kubestar.sandbox.server import ServerConfig
 from kubestar.training.datasets import Problem
 from kubestar.training.executors import (
@@ -539,7 +540,9 @@ async def test_stream_executor_reconnects_and_never_loses_a_call() -> None:
             )
         ).start()
 
-    tools = SandboxStreamExecutor(f"127.0.0.1:{port}", retry_delay=0.05, deadline=60)
+    tools = SandboxStreamExecutor(
+        f"127.0.0.1:{port}", retries=SandboxRetries(delay=0.05), deadline=60
+    )
     a = server()
     try:
         ok = await tools.execute(Call(code="print('a')"))

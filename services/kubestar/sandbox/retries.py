@@ -112,3 +112,7 @@ class SandboxRetries:
                 return False
             await self.wait(failures)
         return True
+
+
+# Three attempts, the second 0.5 s after the first failure, the third 1 s after the second.
+DEFAULT_RETRIES = SandboxRetries()

@@ -26,7 +26,7 @@ import grpc
 from kubestar.api.errors import KubestarError
 from kubestar.sandbox.client import Call
 from kubestar.sandbox.metrics import status_label
-from kubestar.sandbox.retries import SandboxRetries, infra_failed
+from kubestar.sandbox.retries import DEFAULT_RETRIES, SandboxRetries, infra_failed
 from kubestar.scheduler.client import completions
 from kubestar.search.mcts import Execution, Proposal
 from kubestar.search.ppm_data import Encode, path_token_ids
@@ -153,20 +153,19 @@ def execution(result: spb.ExecutionResult) -> Execution:
 class SandboxExecutor:
     """The search's `Executor` on the sandbox (see the module docstring). `timeout_seconds`
     and `memory_bytes` bound each program (0: the sandbox's defaults); a program the sandbox
-    failed is sent again up to `max_attempts` times in all."""
+    failed is sent again as `retries` says."""
 
     def __init__(
         self,
         sandbox: ExecuteBatch,
         timeout_seconds: float = 10.0,
         memory_bytes: int = 0,
-        max_attempts: int = 3,
-        retry_delay: float = 0.5,
+        retries: SandboxRetries = DEFAULT_RETRIES,
     ) -> None:
         self.sandbox = sandbox
         self.timeout_seconds = timeout_seconds
         self.memory_bytes = memory_bytes
-        self.retries = SandboxRetries(max_attempts, retry_delay)
+        self.retries = retries
         self.batches = 0
         self.retried = 0
 

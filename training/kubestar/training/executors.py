@@ -29,7 +29,12 @@ import grpc
 from kubestar.common.auth import call_metadata, client_token
 from kubestar.common.stubs import LazyStub
 from kubestar.sandbox.client import MAX_MESSAGE_BYTES, Call, SandboxClient
-from kubestar.sandbox.retries import SandboxRetries, internal_result, rpc_failure
+from kubestar.sandbox.retries import (
+    DEFAULT_RETRIES,
+    SandboxRetries,
+    internal_result,
+    rpc_failure,
+)
 from kubestar.v1 import sandbox_pb2 as pb
 from kubestar.v1 import sandbox_pb2_grpc as pb_grpc
 
@@ -83,6 +88,7 @@ class _Stream:
 class SandboxStreamExecutor:
     """Tool calls over one long-lived bidirectional stream (see the module docstring).
 
+    `retries`: how often a call a broken stream left unanswered is sent again.
     `max_calls_per_stream`: a stream is half-closed and replaced after this many calls (the
     server remembers each stream's ids). `deadline`: seconds after which a call that got no
     result is answered `internal` (0: wait as long as it takes). `token`: the installation's
@@ -92,15 +98,14 @@ class SandboxStreamExecutor:
     def __init__(
         self,
         endpoint: str,
-        max_attempts: int = 3,
-        retry_delay: float = 0.5,
+        retries: SandboxRetries = DEFAULT_RETRIES,
         max_calls_per_stream: int = 100_000,
         deadline: float = 900.0,
         token: str | None = None,
     ) -> None:
         self.endpoint = endpoint
         self._metadata = call_metadata(client_token(token))
-        self.retries = SandboxRetries(max_attempts, retry_delay)
+        self.retries = retries
         self.max_calls_per_stream = max_calls_per_stream
         self.deadline = deadline
         self._prefix = f"tc{os.getpid()}-{id(self) & 0xFFFFFF:x}"
@@ -232,21 +237,21 @@ class SandboxStreamExecutor:
 
 
 class SandboxBatchExecutor:
-    """Micro-batches of calls over ExecuteBatch (see the module docstring)."""
+    """Micro-batches of calls over ExecuteBatch (see the module docstring); a batch the
+    sandbox refused is sent again as `retries` says."""
 
     def __init__(
         self,
         endpoint: str,
         window: float = 0.005,
         max_batch: int = 256,
-        max_attempts: int = 3,
-        retry_delay: float = 0.5,
+        retries: SandboxRetries = DEFAULT_RETRIES,
         timeout: float | None = 900.0,
     ) -> None:
         self.client = SandboxClient(endpoint, timeout=timeout)
         self.window = window
         self.max_batch = max_batch
-        self.retries = SandboxRetries(max_attempts, retry_delay)
+        self.retries = retries
         self._prefix = f"tb{os.getpid()}-{id(self) & 0xFFFFFF:x}"
         self._ids = itertools.count()
         self._buffer: list[tuple[Call, asyncio.Future[pb.ExecutionResult]]] = []
