@@ -30,7 +30,8 @@ class Call:
     output_bytes: int = 0
 
 
-def _to_execution(call: Call | str, call_id: str) -> pb.Execution:
+def to_execution(call: Call | str, call_id: str) -> pb.Execution:
+    """The call as the sandbox's proto has it; `call_id` when the call has no id."""
     if isinstance(call, str):
         call = Call(code=call)
     return pb.Execution(
@@ -92,7 +93,7 @@ class SandboxClient:
         return f"call-{next(self._ids)}"
 
     def execute(self, call: Call | str) -> pb.ExecutionResult:
-        request = pb.ExecuteRequest(execution=_to_execution(call, self._next_id()))
+        request = pb.ExecuteRequest(execution=to_execution(call, self._next_id()))
         response: pb.ExecuteResponse = with_retries(
             self._delays,
             lambda: self._stub.Execute(request, timeout=self.timeout, metadata=self._metadata),
@@ -101,7 +102,7 @@ class SandboxClient:
 
     def execute_batch(self, calls: Sequence[Call | str]) -> list[pb.ExecutionResult]:
         request = pb.ExecuteBatchRequest(
-            executions=[_to_execution(call, self._next_id()) for call in calls]
+            executions=[to_execution(call, self._next_id()) for call in calls]
         )
         response: pb.ExecuteBatchResponse = with_retries(
             self._delays,
@@ -119,7 +120,7 @@ class SandboxClient:
         return response
 
     async def aexecute(self, call: Call | str) -> pb.ExecutionResult:
-        request = pb.ExecuteRequest(execution=_to_execution(call, self._next_id()))
+        request = pb.ExecuteRequest(execution=to_execution(call, self._next_id()))
         response: pb.ExecuteResponse = await with_retries_async(
             self._delays,
             lambda: self._aio.get().Execute(request, timeout=self.timeout, metadata=self._metadata),
@@ -128,7 +129,7 @@ class SandboxClient:
 
     async def aexecute_batch(self, calls: Sequence[Call | str]) -> list[pb.ExecutionResult]:
         request = pb.ExecuteBatchRequest(
-            executions=[_to_execution(call, self._next_id()) for call in calls]
+            executions=[to_execution(call, self._next_id()) for call in calls]
         )
         response: pb.ExecuteBatchResponse = await with_retries_async(
             self._delays,
@@ -140,7 +141,7 @@ class SandboxClient:
 
     async def aexecute_stream(self, calls: Sequence[Call | str]) -> list[pb.ExecutionResult]:
         """Send calls over one stream; returns results in call order once all arrived."""
-        executions = [_to_execution(call, self._next_id()) for call in calls]
+        executions = [to_execution(call, self._next_id()) for call in calls]
 
         async def requests() -> AsyncIterator[pb.ExecuteStreamRequest]:
             for execution in executions:
@@ -166,4 +167,4 @@ class SandboxClient:
         self.close()
 
 
-__all__ = ["MAX_MESSAGE_BYTES", "Call", "SandboxClient", "result_to_dict"]
+__all__ = ["MAX_MESSAGE_BYTES", "Call", "SandboxClient", "result_to_dict", "to_execution"]

@@ -28,7 +28,7 @@ from typing import Protocol
 import grpc
 from kubestar.common.auth import call_metadata, client_token
 from kubestar.common.stubs import LazyStub
-from kubestar.sandbox.client import MAX_MESSAGE_BYTES, Call, SandboxClient
+from kubestar.sandbox.client import MAX_MESSAGE_BYTES, Call, SandboxClient, to_execution
 from kubestar.sandbox.retries import (
     DEFAULT_RETRIES,
     SandboxRetries,
@@ -53,19 +53,6 @@ class ToolExecutor(Protocol):
     async def execute(self, call: Call) -> pb.ExecutionResult: ...
 
     async def close(self) -> None: ...
-
-
-def _execution(call: Call, call_id: str) -> pb.Execution:
-    return pb.Execution(
-        id=call_id,
-        code=call.code,
-        stdin=call.stdin,
-        limits=pb.ExecutionLimits(
-            timeout_seconds=call.timeout_seconds,
-            memory_bytes=call.memory_bytes,
-            output_bytes=call.output_bytes,
-        ),
-    )
 
 
 @dataclass
@@ -124,7 +111,7 @@ class SandboxStreamExecutor:
             raise RuntimeError("executor closed")
         call_id = call.id or f"{self._prefix}-{next(self._ids)}"
         future: asyncio.Future[pb.ExecutionResult] = asyncio.get_running_loop().create_future()
-        self._submit(_Waiting(_execution(call, call_id), future))
+        self._submit(_Waiting(to_execution(call, call_id), future))
         if not self.deadline:
             return await future
         try:
