@@ -84,10 +84,10 @@ import aiohttp
 from kubestar.cli.solve import search_services, solver_stack
 from kubestar.common.stats import difference_text
 from kubestar.engine.client import EngineClient
-from kubestar.engine.models import resolve_model
-from kubestar.scoring.source import PpmSource
+from kubestar.engine.models import resolve_model, tokenizer_sha256
 from kubestar.search.adapters import StepSampling
-from kubestar.search.ppm_data import Encode, tokenizer_sha256
+from kubestar.search.ppm_data import Encode
+from kubestar.search.scorer import PpmSource
 from kubestar.search.solve import MAJORITY, MODES, SCORED_MODES, Solved
 from kubestar.search.sweep import SweepPoint, SweepSettings, format_table, plot_sweep, sweep
 from kubestar.search.tree import SearchSettings

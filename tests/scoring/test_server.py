@@ -24,12 +24,15 @@ require_modules("torch", "transformers", "safetensors")
 
 import torch  # noqa: E402
 from kubestar.common.net import free_port  # noqa: E402
+from kubestar.engine.models import tokenizer_sha256  # noqa: E402
 from kubestar.scoring.batcher import BatchingConfig  # noqa: E402
-from kubestar.scoring.client import PpmScorer, ScoringClient, TokenizerMismatch  # noqa: E402
+from kubestar.scoring.client import ScoringClient  # noqa: E402
+from kubestar.scoring.model import ProcessPreferenceModel, squash  # noqa: E402
 from kubestar.scoring.server import SERVICE_NAME, ScoringServer, ServerConfig  # noqa: E402
-from kubestar.search.ppm import ProcessPreferenceModel, squash  # noqa: E402
-from kubestar.search.ppm_data import path_token_ids, tokenizer_sha256  # noqa: E402
+from kubestar.search.ppm_data import path_token_ids  # noqa: E402
+from kubestar.search.scorer import PpmScorer, TokenizerMismatch  # noqa: E402
 from kubestar.search.tree import Node, add_children  # noqa: E402
+from kubestar.training.chat import ChatTokenizer  # noqa: E402
 
 TOKEN = "kubestar-test-token-0123456789abcdef"
 MAX_TOKENS = 64
@@ -231,7 +234,7 @@ def tree(prompt_ids: list[int]) -> list[Node]:
 async def test_the_search_scorer_values_each_nodes_path(
     client: ScoringClient, ppm: ProcessPreferenceModel, model_dir: Path
 ) -> None:
-    encode = ppm.tokenizer.encode
+    encode = ChatTokenizer.from_model(model_dir).encode
     scorer = PpmScorer(client, encode, tokenizer_sha256(model_dir))
     nodes = tree([400, 401, 402])
     values = await scorer.score(nodes)

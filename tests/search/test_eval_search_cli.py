@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from kubestar.cli.eval import run_search_sweep, write_sweep_trees
-from kubestar.scoring.source import PpmSource
+from kubestar.search.scorer import PpmSource
 from kubestar.search.sweep import SweepSettings, format_table
 from kubestar.search.tree import SearchSettings
 from kubestar.training.datasets import Problem

@@ -14,20 +14,23 @@ from tests.real_parts import require_modules, tiny_model
 require_modules("torch", "transformers", "safetensors")
 
 import torch  # noqa: E402
-from kubestar.search.ppm import (  # noqa: E402
+from kubestar.scoring.model import (  # noqa: E402
     HEAD_FILE,
     HEAD_KEYS,
     INFO_FILE,
+    ProcessPreferenceModel,
+    squash,
+)
+from kubestar.search.ppm import (  # noqa: E402
     PpmTrainMetrics,
     PpmTrainSettings,
-    ProcessPreferenceModel,
     bradley_terry_loss,
     pair_accuracy,
-    squash,
     train_ppm,
     truncate,
 )
 from kubestar.search.ppm_data import PpmExample  # noqa: E402
+from kubestar.training.chat import ChatTokenizer  # noqa: E402
 
 from tests.search.ppm_support import marker_pairs  # noqa: E402
 
@@ -42,8 +45,7 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def held_out(model_dir: Path) -> list[PpmExample]:
-    ppm = ProcessPreferenceModel.load(model_dir)
-    return marker_pairs(64, ppm.tokenizer.encode, seed=1)
+    return marker_pairs(64, ChatTokenizer.from_model(model_dir).encode, seed=1)
 
 
 def mean_margin(ppm: ProcessPreferenceModel, examples: list[PpmExample]) -> float:
@@ -60,7 +62,7 @@ def trained(
     held-out margin before training."""
     ppm = ProcessPreferenceModel.load(model_dir, seed=0)
     before = mean_margin(ppm, held_out)
-    train = marker_pairs(64, ppm.tokenizer.encode, seed=0)
+    train = marker_pairs(64, ChatTokenizer.from_model(model_dir).encode, seed=0)
     metrics = train_ppm(ppm, train, FAST, held_out=held_out)
     return ppm, metrics, before
 

@@ -23,7 +23,7 @@ from kubestar.training.progress import (
     record_evaluation,
 )
 from kubestar.training.report import write_report
-from kubestar.training.search_evaluation import (
+from kubestar.search.evaluation import (
     PpmUnusable,
     check_ppm,
     search_problems,

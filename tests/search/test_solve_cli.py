@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from kubestar.cli.solve import run_solve
-from kubestar.scoring.source import PpmSource
+from kubestar.search.scorer import PpmSource
 from kubestar.search.solve import GREEDY, MAJORITY, SolveSettings, summary, write_trees
 from kubestar.search.tree import SearchSettings
 from kubestar.training.datasets import Problem

@@ -26,7 +26,7 @@ import click
 from click.core import ParameterSource
 from kubestar.cli.options import local_services_options
 from kubestar.cli.solve import SolvedTally, search_options, search_services, solver_stack
-from kubestar.scoring.source import PpmSource
+from kubestar.search.scorer import PpmSource
 from kubestar.search.solve import BEAM, GREEDY, MCTS_MODE, MODES, SCORED_MODES
 
 if TYPE_CHECKING:
@@ -466,7 +466,7 @@ def _evaluate_search(
 ) -> None:
     """--search: the sweep on the services (started as `kubestar solve` starts them), then
     the table, the PNG and the trees."""
-    from kubestar.search.ppm_data import tokenizer_sha256
+    from kubestar.engine.models import tokenizer_sha256
     from kubestar.search.sweep import format_table, plot_sweep
     from kubestar.training.chat import ChatTokenizer
 

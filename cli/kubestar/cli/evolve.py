@@ -28,7 +28,7 @@ from kubestar.cli.solve import (
     search_step_options,
     step_sampling_options,
 )
-from kubestar.scoring.source import PpmSource
+from kubestar.search.scorer import PpmSource
 
 if TYPE_CHECKING:
     from kubestar.search.evolve import SolveFunction
@@ -72,7 +72,7 @@ class LocalServices:
 
     @contextmanager
     def serving(self, policy: Path) -> Iterator[SolveFunction]:
-        from kubestar.search.ppm_data import tokenizer_sha256
+        from kubestar.engine.models import tokenizer_sha256
         from kubestar.training.chat import ChatTokenizer
 
         encode = ChatTokenizer.from_model(policy).encode

@@ -99,7 +99,8 @@ def train_command(
     """
     logs.configure(log_level)
     from kubestar.engine.models import resolve_model
-    from kubestar.search.ppm import INFO_FILE, PpmTrainSettings, ProcessPreferenceModel, train_ppm
+    from kubestar.scoring.model import INFO_FILE, ProcessPreferenceModel
+    from kubestar.search.ppm import PpmTrainSettings, train_ppm
     from kubestar.search.ppm_data import read_pairs, split_pairs
     from kubestar.training.chat import ChatTokenizer
     from tqdm import tqdm

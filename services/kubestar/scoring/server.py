@@ -17,7 +17,7 @@ from kubestar.common.net import check_can_listen, start_metrics_server
 from kubestar.common.serving import serve_until_signal
 from kubestar.scoring.batcher import Batcher, BatchingConfig
 from kubestar.scoring.metrics import ScoringMetrics
-from kubestar.search.ppm import ProcessPreferenceModel, squash
+from kubestar.scoring.model import ProcessPreferenceModel, squash
 from kubestar.v1 import scoring_pb2 as pb
 from kubestar.v1 import scoring_pb2_grpc as pb_grpc
 

@@ -1,4 +1,6 @@
-"""Test-time search at a run's evaluation points (spec.evaluation.search).
+"""Test-time search at a run's evaluation points (spec.evaluation.search): the trainer's
+`SearchEvaluator` (`kubestar.training.workers`), given to `TrainingSession` by whoever starts
+the run (the trainer cannot import the search, which builds on it).
 
 Beside the greedy agent-loop evaluation, the same held-out problems are solved by
 `kubestar.search.solve.Solver` in the mode the spec asks for, on the run's own services: its
@@ -25,8 +27,10 @@ from typing import Any
 
 from kubestar.api.errors import KubestarError
 from kubestar.api.v1alpha1 import CallLimitsSpec, SearchEvaluationSpec
+from kubestar.engine.models import tokenizer_sha256
 from kubestar.search.adapters import ExecuteBatch, Generate, SandboxExecutor, StepSampling
-from kubestar.search.ppm_data import Encode, tokenizer_sha256
+from kubestar.search.ppm_data import Encode
+from kubestar.search.scorer import PpmSource, ppm_scorer
 from kubestar.search.solve import Judge, Solver, SolveSettings, summary
 from kubestar.search.steps import RStarFormat, StepFormat, ToolCallFormat
 from kubestar.search.tree import SearchSettings
@@ -122,8 +126,6 @@ async def search_problems(
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Solve `problems` as the spec asks (see the module docstring); returns the figures
     (`search_figures`) and every problem's tree record."""
-    from kubestar.scoring.source import PpmSource, ppm_scorer
-
     started = time.monotonic()
     limits = call_limits or CallLimitsSpec()
     fmt = step_format(spec.format)
@@ -140,3 +142,36 @@ async def search_problems(
         solved = await solver.solve_all(list(problems))
     figures = search_figures(spec.mode, summary(solved), time.monotonic() - started)
     return figures, [outcome.record() for outcome in solved]
+
+
+class SearchEvaluation:
+    """The trainer's `SearchEvaluator` (kubestar.training.workers): `check_ppm` before
+    training, `search_problems` at each evaluation point."""
+
+    def check(self, spec: SearchEvaluationSpec, model_dir: Path) -> None:
+        check_ppm(spec, model_dir)
+
+    async def solve(
+        self,
+        *,
+        scheduler: Generate,
+        sandbox: ExecuteBatch,
+        model_dir: Path,
+        encode: Encode,
+        problems: Sequence[Problem],
+        spec: SearchEvaluationSpec,
+        max_response_tokens: int,
+        judge: Judge,
+        call_limits: CallLimitsSpec | None = None,
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        return await search_problems(
+            scheduler=scheduler,
+            sandbox=sandbox,
+            model_dir=model_dir,
+            encode=encode,
+            problems=problems,
+            spec=spec,
+            max_response_tokens=max_response_tokens,
+            judge=judge,
+            call_limits=call_limits,
+        )

@@ -60,9 +60,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kubestar.api.errors import KubestarError
+from kubestar.engine.models import tokenizer_sha256
 from kubestar.search.adapters import StepSampling
 from kubestar.search.data import SftTrace, is_correct, ppm_pairs, sft_traces
-from kubestar.search.ppm_data import Encode, pair_record, split_pairs, tokenizer_sha256
+from kubestar.search.ppm_data import Encode, pair_record, split_pairs
 from kubestar.search.solve import (
     BEAM,
     BEST_OF_N,
@@ -685,7 +686,8 @@ class Round:
         return {"examples": len(examples), "base": str(self.models.sft_base), **metrics}
 
     def _ppm(self) -> dict[str, Any]:
-        from kubestar.search.ppm import PpmTrainSettings, ProcessPreferenceModel, train_ppm
+        from kubestar.scoring.model import ProcessPreferenceModel
+        from kubestar.search.ppm import PpmTrainSettings, train_ppm
         from kubestar.search.ppm_data import PairFileError, read_pairs
         from kubestar.training.chat import ChatTokenizer
 

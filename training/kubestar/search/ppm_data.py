@@ -7,12 +7,11 @@ each step its own token ids (the policy's, never re-tokenised) followed by the t
 observation the tool appended. A node without ids (a hand-built tree, a pair read from text)
 has its text encoded instead.
 
-Needs no torch: the scoring client and the search import it.
+Needs no torch: the search imports it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from collections.abc import Callable, Iterable, Sequence
@@ -32,13 +31,6 @@ PAIR_FIELDS = ("prompt", "chosen", "rejected")
 
 class PairFileError(KubestarError, ValueError):
     """A pair file that cannot be read; the message names the file and the line."""
-
-
-def tokenizer_sha256(model_dir: str | Path) -> str:
-    """sha256 of a model folder's tokenizer.json ("" without one): two models read the same
-    token ids alike only when these agree."""
-    path = Path(model_dir) / "tokenizer.json"
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else ""
 
 
 def step_token_ids(node: Node, encode: Encode) -> list[int]:

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kubestar.api.conditions import Phase, Reason, now
 from kubestar.api.errors import KubestarError
@@ -76,6 +76,9 @@ from kubestar.training.resilience import InfrastructureFailure, rollout_step
 from kubestar.training.stopping import FinalFailure, StopRequest, TrainingStopped
 from kubestar.training.trainer import AlgorithmConfig, GrpoTrainer
 from kubestar.training.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from kubestar.training.workers import SearchEvaluator
 
 log = logging.getLogger(__name__)
 
@@ -277,6 +280,7 @@ class TrainingSession:
         stop: StopRequest | None = None,
         services_ready: Callable[[], None] | None = None,
         telemetry: Sequence[MetricsListener] = (),
+        search: SearchEvaluator | None = None,
     ) -> None:
         """`call_limits`: the SandboxPool's per-call limits, applied to every tool call.
         `world`: this process's rank in a sharded trainer. `stop`: set when the process is
@@ -284,7 +288,9 @@ class TrainingSession:
         TrainingStopped. `services_ready`: returns once the endpoints serve (services
         still starting, as a local run's do while the model loads); called before their
         first use. `telemetry`: rank 0's listeners to the metrics log (Prometheus metrics,
-        the log's copy in the cluster: kubestar.training.telemetry)."""
+        the log's copy in the cluster: kubestar.training.telemetry). `search`: the
+        test-time search of spec.evaluation.search (kubestar.search.evaluation's
+        SearchEvaluation); a run cannot ask for that search without one."""
         self.run = run
         self.world = world
         self.stop = stop or StopRequest()
@@ -292,6 +298,7 @@ class TrainingSession:
         self.spec = run.spec
         self.endpoints = endpoints
         self.services_ready = services_ready or (lambda: None)
+        self.search = search
         self.run_dir = run_dir
         self.model_dir = model_dir
         self.reporter = reporter
@@ -365,6 +372,7 @@ class TrainingSession:
                 str(self.model_dir),
                 self.reward_workers,
                 self.call_limits,
+                self.search,
             )
         )
         if self.endpoints.weight_sync == "broadcast":
@@ -403,9 +411,12 @@ class TrainingSession:
         main = self.world.main
         search = self.spec.evaluation.search
         if main and search is not None and self.spec.evaluation.dataset is not None:
-            from kubestar.training.search_evaluation import check_ppm
-
-            check_ppm(search, self.model_dir)  # before training, not at the first evaluation
+            if self.search is None:
+                raise ValueError(
+                    "spec.evaluation.search: this trainer was started without test-time "
+                    "search (TrainingSession's `search`)"
+                )
+            self.search.check(search, self.model_dir)  # before training, not at the first one
         state = self._resume(policy, worker)
         fresh = self.resumed_from is None
         if fresh and "start" in self.spec.evaluation.at:

@@ -31,19 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kubestar.engine.models import TOKENIZER_FILES
 from kubestar.training.distributed import World, barrier, row_share
 
 # A bucket of bf16 tensors rank 0 holds at once while writing the engines' folder.
 DEFAULT_BUCKET_BYTES = 1 << 30
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "generation_config.json",
-)
 EXPORT_DTYPE = torch.bfloat16
 
 

@@ -8,9 +8,9 @@ and reward processes (and a batch channel to the sandbox, opened per evaluation)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kubestar.api.v1alpha1 import CallLimitsSpec, ResilienceSpec, SearchEvaluationSpec
 from kubestar.training.chat import ChatTokenizer
@@ -22,6 +22,10 @@ from kubestar.training.rewards import RewardScorer
 from kubestar.training.rollout import AgentLoop, RolloutConfig, RolloutStats, rollout
 from kubestar.training.trajectory import Trajectory
 
+if TYPE_CHECKING:
+    from kubestar.sandbox.client import SandboxClient
+    from kubestar.scheduler.client import SchedulerClient
+
 
 def call_limits_config(limits: CallLimitsSpec) -> dict[str, Any]:
     """The RolloutConfig fields that carry a SandboxPool's per-call limits into every call."""
@@ -32,6 +36,32 @@ def call_limits_config(limits: CallLimitsSpec) -> dict[str, Any]:
     }
 
 
+class SearchEvaluator(Protocol):
+    """Test-time search at a run's evaluation points (spec.evaluation.search). The search
+    builds on the trainer, so the trainer does not import it: whoever starts a run gives
+    `TrainingSession` one (`kubestar.search.evaluation.SearchEvaluation`)."""
+
+    def check(self, spec: SearchEvaluationSpec, model_dir: Path) -> None:
+        """Refuse, before any training, what the first evaluation could not use."""
+        ...
+
+    async def solve(
+        self,
+        *,
+        scheduler: SchedulerClient,
+        sandbox: SandboxClient,
+        model_dir: Path,
+        encode: Callable[[str], list[int]],
+        problems: Sequence[Problem],
+        spec: SearchEvaluationSpec,
+        max_response_tokens: int,
+        judge: Callable[[str | None, str], Awaitable[float]],
+        call_limits: CallLimitsSpec | None = None,
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Solve held-out problems as the spec asks: the figures and every problem's tree."""
+        ...
+
+
 class RolloutWorker:
     def __init__(
         self,
@@ -40,8 +70,10 @@ class RolloutWorker:
         model_dir: str,
         reward_workers: int = 2,
         call_limits: CallLimitsSpec | None = None,
+        search: SearchEvaluator | None = None,
     ) -> None:
         self.call_limits = call_limits or CallLimitsSpec()
+        self.search_evaluator = search
         self.model_dir = Path(model_dir)
         self.sandbox = sandbox
         self.tokenizer = ChatTokenizer.from_model(model_dir)
@@ -73,16 +105,17 @@ class RolloutWorker:
         max_response_tokens: int,
     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Solve held-out problems by test-time search on the same scheduler and sandbox
-        (`kubestar.training.search_evaluation`): the figures and every problem's tree."""
+        (the `SearchEvaluator` this worker was given): the figures and every problem's tree."""
         from kubestar.sandbox.client import SandboxClient
-        from kubestar.training.search_evaluation import search_problems
 
+        if self.search_evaluator is None:
+            raise ValueError("spec.evaluation.search: this trainer was given no SearchEvaluator")
         # ExecuteBatch for the search's expansions (the agent loop streams single calls).
         sandbox = SandboxClient(
             self.sandbox, timeout=max(60.0, 10 * self.call_limits.timeout_seconds)
         )
         try:
-            return await search_problems(
+            return await self.search_evaluator.solve(
                 scheduler=self.generator.client,
                 sandbox=sandbox,
                 model_dir=self.model_dir,
