@@ -6,13 +6,19 @@ changes it cannot apply, and runs several workers as a Job each, meeting at work
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 from kubestar.api.conditions import now
 from kubestar.api.v1alpha1 import Activity, TrainingMetrics, TrainingRunStatus
+from kubestar.cli.main import cli
 from kubestar.common.kube import Connection
-from kubestar.training.progress import StatusPatcher, step_progress
+from kubestar.training.progress import MetricsLog, StatusPatcher, step_progress
+from kubestar.training.telemetry import MetricsLogMirror
 
 from e2e.local_cluster import (
     FakeKubelet,
@@ -79,7 +85,11 @@ def start_run(
 
 
 def test_run_lifecycle_to_success(
-    cluster: LocalCluster, operator: OperatorProcess, kubelet: FakeKubelet, namespace: str
+    cluster: LocalCluster,
+    operator: OperatorProcess,
+    kubelet: FakeKubelet,
+    namespace: str,
+    tmp_path: Path,
 ) -> None:
     api = cluster.api()
     run = start_run(cluster, kubelet, namespace)
@@ -156,6 +166,18 @@ def test_run_lifecycle_to_success(
         trainer_api.merge_patch(path, {"spec": {"trainer": {"workers": 2}}})
     assert denied.value.status == 403
 
+    with pytest.raises(ApiError) as denied:
+        trainer_api.merge_patch(core(namespace, "configmaps", "tiny-cpu-run"), {"data": {}})
+    assert denied.value.status == 403
+
+    # Rank 0 keeps the metrics log in the ConfigMap the operator made, with its own token.
+    log = MetricsLog(tmp_path / "trainer" / "metrics.jsonl")
+    log.path.parent.mkdir()
+    log.listen(MetricsLogMirror("tiny-cpu", namespace, credentials))
+    log.append({"step": 0, "stage": "sft", "loss": 0.5})
+    for step in (1, 2, 3):
+        log.append({"step": step, "stage": "warmup", "stage_step": step, "reward": step / 4})
+
     kubelet.set_status(trainer_pod, kubelet.terminated(trainer_pod, 0, "Completed"))
     wait_phase(cluster, namespace, "tiny-cpu", "Succeeded", timeout=30)
     expected = {"Pending", "Provisioning", "TrainerCreated", "SFT", "Training", "Succeeded"}
@@ -163,6 +185,21 @@ def test_run_lifecycle_to_success(
         f"events {sorted(expected)}",
         lambda: expected <= {e[1] for e in events(cluster, namespace, "tiny-cpu")},
     )
+    # The run's report from the cluster alone, its trainer gone.
+    out = tmp_path / "report"
+    flags = ["--run", "tiny-cpu", "-n", namespace, "--kubeconfig", str(cluster.kubeconfig)]
+    done = CliRunner().invoke(cli, ["report", *flags, "--out", str(out)])
+    assert done.exit_code == 0, done.output
+    assert (out / "metrics.jsonl").read_text() == log.path.read_text()
+    report = (out / "report" / "report.md").read_text()
+    assert "Phase **Succeeded**" in report and "## RL steps" in report, report
+    # One line naming the flag, no traceback.
+    command = [sys.executable, "-m", "kubestar.cli.main", "report", "--run", "nothing"]
+    missing = subprocess.run([*command, *flags[2:]], capture_output=True, text=True, timeout=60)
+    assert missing.returncode != 0
+    assert missing.stderr.strip().splitlines() == [
+        f"kubestar: error: --run nothing: no TrainingRun nothing in namespace {namespace}"
+    ], missing.stderr
 
 
 def test_trainer_oom_fails_the_run(

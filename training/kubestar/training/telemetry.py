@@ -15,12 +15,14 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kubestar.api.errors import KubestarError
 from kubestar.api.trainer_contract import (
     METRICS_LOG_EVERY,
     METRICS_LOG_KEY,
     TrainerEnvironment,
     metrics_log_name,
 )
+from kubestar.api.v1alpha1 import API_VERSION
 from kubestar.common import kube
 from kubestar.common.net import CannotListen, start_metrics_server
 from kubestar.training.progress import MetricsListener
@@ -230,3 +232,29 @@ def trainer_pod_listeners(env: TrainerEnvironment) -> list[MetricsListener]:
         else:
             listeners.append(exporter)
     return listeners
+
+
+class RunUnreadable(KubestarError):
+    """`kubestar report --run` names a TrainingRun the cluster does not have, or that the
+    caller may not read."""
+
+
+def fetch_run(
+    connection: kube.Connection, name: str, namespace: str, timeout: float = 30.0
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A run's metrics log (from its ConfigMap) and status, read from the cluster."""
+    run_path = kube.path(API_VERSION, "TrainingRun", namespace, name)
+    log_path = kube.path("v1", "ConfigMap", namespace, metrics_log_name(name))
+
+    async def both(client: kube.Kube) -> tuple[kube.Obj | None, kube.Obj | None]:
+        return await client.get(run_path), await client.get(log_path)
+
+    try:
+        run, log_map = kube.call_blocking(connection, both, timeout)
+    except kube.ApiError as error:
+        raise RunUnreadable(f"--run {name}: {error}") from None
+    if run is None:
+        raise RunUnreadable(f"--run {name}: no TrainingRun {name} in namespace {namespace}")
+    packed = ((log_map or {}).get("binaryData") or {}).get(METRICS_LOG_KEY)
+    entries = unpack_log(packed) if packed else []
+    return entries, dict(run.get("status") or {})
