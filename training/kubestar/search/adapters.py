@@ -1,6 +1,6 @@
 """The search on kubestar's services: a `Policy` that draws a node's next steps through the
 rollout scheduler, and an `Executor` that runs an expansion's programs in the sandbox. (The
-values come from `mcts.GroundTruth` and from `kubestar.scoring.client.PpmScorer`.)
+values come from `mcts.GroundTruth` and from `kubestar.search.scorer.PpmScorer`.)
 
 * `SchedulerPolicy`: one Generate request per expansion, asking for n samples (one prefill,
   n continuations). The prompt is the token ids along the node's path (`path_token_ids`: the
