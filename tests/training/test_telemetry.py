@@ -43,7 +43,7 @@ def test_every_logged_entry_becomes_the_series_a_dashboard_reads(tmp_path: Path)
     log.append({"step": 0, "stage": "sft", "loss": 0.75})
     log.append({"step": 0, "stage": "evaluation", "point": "start", "eval_accuracy": 0.25})
     log.append(step_entry(1))
-    log.append(step_entry(2))
+    log.append(step_entry(2, rollout_attempts=3))
     log.append({"step": 2, "stage": "evaluation", "point": "end", "eval_accuracy": 0.5})
 
     stage = {"stage": "short"}
@@ -56,6 +56,7 @@ def test_every_logged_entry_becomes_the_series_a_dashboard_reads(tmp_path: Path)
     kept = sample(metrics, "kubestar_trainer_trajectories_total", outcome="kept", **stage)
     spoiled = sample(metrics, "kubestar_trainer_trajectories_total", outcome="spoiled", **stage)
     assert (kept, spoiled) == (16, 2)
+    assert sample(metrics, "kubestar_trainer_rollout_retries_total", **stage) == 2
     parts = {
         part: sample(metrics, "kubestar_trainer_step_part_seconds", part=part, **stage)
         for part in ("rollout", "train", "push", "total")

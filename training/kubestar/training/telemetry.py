@@ -95,6 +95,12 @@ class TrainerMetrics:
             ["run", "stage", "outcome"],
             registry=r,
         )
+        self.rollout_retries = Counter(
+            f"{PREFIX}_rollout_retries",
+            "A step's rollouts started again after the infrastructure failed them",
+            ["run", "stage"],
+            registry=r,
+        )
         self.evaluation = Gauge(
             f"{PREFIX}_evaluation",
             "Held-out evaluation results, by point (start, sft, step, end) and metric",
@@ -122,7 +128,7 @@ class TrainerMetrics:
     def reload(self, entries: Sequence[Mapping[str, Any]]) -> None:
         """The log as it is now (a resumed one: the steps up to its checkpoint)."""
         metrics: list[Gauge | Counter] = [self.step, self.stage_step, *self.gauges.values()]
-        metrics += [self.step_seconds, self.steps, self.trajectories]
+        metrics += [self.step_seconds, self.steps, self.trajectories, self.rollout_retries]
         metrics += [self.evaluation, self.evaluation_step]
         for metric in metrics:
             metric.clear()
@@ -140,6 +146,9 @@ class TrainerMetrics:
             if isinstance(entry.get(key), int | float):
                 self.step_seconds.labels(*labels, part).set(float(entry[key]))
         self.steps.labels(*labels).inc()
+        self.rollout_retries.labels(*labels).inc(
+            max(float(entry.get("rollout_attempts", 1)) - 1, 0)
+        )
         for outcome in ("kept", "spoiled"):
             self.trajectories.labels(*labels, outcome).inc(float(entry.get(outcome) or 0.0))
 
