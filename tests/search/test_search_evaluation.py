@@ -15,6 +15,12 @@ from kubestar.api.v1alpha1 import (
     SearchEvaluationSpec,
     TrainingRunStatus,
 )
+from kubestar.search.evaluation import (
+    PpmUnusable,
+    check_ppm,
+    search_problems,
+    solve_settings,
+)
 from kubestar.search.steps import RStarFormat
 from kubestar.training.datasets import Problem
 from kubestar.training.progress import (
@@ -23,12 +29,6 @@ from kubestar.training.progress import (
     record_evaluation,
 )
 from kubestar.training.report import write_report
-from kubestar.search.evaluation import (
-    PpmUnusable,
-    check_ppm,
-    search_problems,
-    solve_settings,
-)
 
 from tests.search.service_fakes import FakeSandbox, encode, scheduler
 from tests.training.test_report import metrics_file
