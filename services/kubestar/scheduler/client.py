@@ -10,16 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kubestar.common.auth import call_metadata, client_token
-from kubestar.common.stubs import LazyStub
+from kubestar.common.stubs import ServiceClient, message_options
 from kubestar.v1 import rollout_pb2 as pb
 from kubestar.v1 import rollout_pb2_grpc as pb_grpc
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-_CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-]
+_CHANNEL_OPTIONS = message_options(MAX_MESSAGE_BYTES)
 
 
 def sampling_params(sampling: pb.SamplingParams | Mapping[str, Any] | None) -> pb.SamplingParams:
@@ -48,25 +44,15 @@ def completions(response: pb.GenerateResponse) -> list[pb.Completion]:
     ]
 
 
-class SchedulerClient:
-    """One channel to a scheduler; create and use it inside one event loop.
-
-    `timeout` (seconds) bounds each call except `update_weights` (its own `timeout`).
-    `token`: the installation's bearer token (kubestar.common.auth); None takes it from the
-    environment (KUBESTAR_AUTH_TOKEN_FILE, KUBESTAR_AUTH_TOKEN), "" sends none.
-    """
+class SchedulerClient(ServiceClient[pb_grpc.RolloutSchedulerServiceStub]):
+    """One channel to a scheduler (see ServiceClient); `timeout` bounds each call except
+    `update_weights` (its own `timeout`)."""
 
     def __init__(
         self, endpoint: str, timeout: float | None = None, token: str | None = None
     ) -> None:
-        self.endpoint = endpoint
-        self.timeout = timeout
-        self._metadata = call_metadata(client_token(token))
-        self._stub = LazyStub(endpoint, pb_grpc.RolloutSchedulerServiceStub, _CHANNEL_OPTIONS)
-
-    @property
-    def stub(self) -> pb_grpc.RolloutSchedulerServiceStub:
-        return self._stub.get()
+        stub = pb_grpc.RolloutSchedulerServiceStub
+        super().__init__(endpoint, stub, _CHANNEL_OPTIONS, timeout, token)
 
     async def generate(
         self,
@@ -127,12 +113,3 @@ class SchedulerClient:
         await self.stub.RemoveEngine(
             pb.RemoveEngineRequest(name=name), timeout=self.timeout, metadata=self._metadata
         )
-
-    async def close(self) -> None:
-        await self._stub.close()
-
-    async def __aenter__(self) -> SchedulerClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()

@@ -11,16 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kubestar.common.auth import call_metadata, client_token
-from kubestar.common.stubs import LazyStub
+from kubestar.common.stubs import ServiceClient, message_options
 from kubestar.v1 import scoring_pb2 as pb
 from kubestar.v1 import scoring_pb2_grpc as pb_grpc
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-_CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-]
+_CHANNEL_OPTIONS = message_options(MAX_MESSAGE_BYTES)
 
 
 @dataclass(frozen=True)
@@ -29,25 +25,13 @@ class Reward:
     squashed: float  # tanh(raw / reward_scale), in [-1, 1]
 
 
-class ScoringClient:
-    """One channel to a scoring server; create and use it inside one event loop.
-
-    `timeout` (seconds) bounds each call. `token`: the installation's bearer token
-    (kubestar.common.auth); None takes it from the environment (KUBESTAR_AUTH_TOKEN_FILE,
-    KUBESTAR_AUTH_TOKEN), "" sends none.
-    """
+class ScoringClient(ServiceClient[pb_grpc.ScoringServiceStub]):
+    """One channel to a scoring server (see ServiceClient)."""
 
     def __init__(
         self, endpoint: str, timeout: float | None = None, token: str | None = None
     ) -> None:
-        self.endpoint = endpoint
-        self.timeout = timeout
-        self._metadata = call_metadata(client_token(token))
-        self._stub = LazyStub(endpoint, pb_grpc.ScoringServiceStub, _CHANNEL_OPTIONS)
-
-    @property
-    def stub(self) -> pb_grpc.ScoringServiceStub:
-        return self._stub.get()
+        super().__init__(endpoint, pb_grpc.ScoringServiceStub, _CHANNEL_OPTIONS, timeout, token)
 
     async def score(self, sequences: Sequence[Sequence[int]]) -> list[Reward]:
         """One reward per token sequence, in order."""
@@ -64,12 +48,3 @@ class ScoringClient:
             pb.GetModelInfoRequest(), timeout=self.timeout, metadata=self._metadata
         )
         return response
-
-    async def close(self) -> None:
-        await self._stub.close()
-
-    async def __aenter__(self) -> ScoringClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
