@@ -1,12 +1,31 @@
-"""How a kubestar service process lives: it starts, serves until SIGTERM or SIGINT, then
-drains (the sandbox, the rollout scheduler and the scoring service alike)."""
+"""How a kubestar service process lives: its gRPC server is made one way (`grpc_server`),
+it starts, serves until SIGTERM or SIGINT, then drains (the sandbox, the rollout scheduler
+and the scoring service alike)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
-from typing import Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import grpc
+from kubestar.common.auth import server_interceptors
+from kubestar.common.bounds import ServiceBounds
+
+
+def grpc_server(
+    bounds: ServiceBounds, auth_token: str, message_options: Sequence[tuple[str, Any]]
+) -> grpc.aio.Server:
+    """A service's gRPC server: messages as `message_options` allow, `bounds` (RPCs at once,
+    keepalive), the installation's token checked when set, and no SO_REUSEPORT (a second
+    server on a port in use fails instead of sharing it)."""
+    return grpc.aio.server(
+        options=[*message_options, *bounds.server_options(), ("grpc.so_reuseport", 0)],
+        maximum_concurrent_rpcs=bounds.max_concurrent_rpcs,
+        interceptors=server_interceptors(auth_token),
+    )
 
 
 class Service(Protocol):

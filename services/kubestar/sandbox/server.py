@@ -5,12 +5,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from kubestar.common.auth import server_interceptors
 from kubestar.common.bounds import ServiceBounds
 from kubestar.common.net import check_can_listen, start_metrics_server
-from kubestar.common.serving import serve_until_signal
+from kubestar.common.serving import grpc_server, serve_until_signal
 from kubestar.sandbox.backend import Backend
 from kubestar.sandbox.dispatcher import WorkerDispatcher
 from kubestar.sandbox.executor import ExecutorConfig
@@ -61,14 +59,8 @@ class SandboxServer:
         self.config = config
         self.backend = build_backend(config)
         bounds = config.bounds
-        self.server = grpc.aio.server(
-            options=[
-                *server_message_options(config.executor.policy),
-                *bounds.server_options(),
-                ("grpc.so_reuseport", 0),
-            ],
-            maximum_concurrent_rpcs=bounds.max_concurrent_rpcs,
-            interceptors=server_interceptors(config.auth_token),
+        self.server = grpc_server(
+            bounds, config.auth_token, server_message_options(config.executor.policy)
         )
         self.health = health.aio.HealthServicer()
         self.port = 0

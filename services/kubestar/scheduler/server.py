@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from kubestar.common.auth import server_interceptors
 from kubestar.common.bounds import ServiceBounds
 from kubestar.common.net import check_can_listen, start_metrics_server
-from kubestar.common.serving import serve_until_signal
+from kubestar.common.serving import grpc_server, serve_until_signal
+from kubestar.common.stubs import message_options
 from kubestar.scheduler.config import SchedulerConfig
 from kubestar.scheduler.core import RequestTooLarge
 from kubestar.scheduler.discovery import KubernetesDiscovery
@@ -145,15 +145,8 @@ class SchedulerServer:
         self.metrics = SchedulerMetrics()
         self.scheduler = Scheduler(config.engines, config.scheduler, self.metrics)
         self.scheduler.on_availability = self._availability_changed
-        self.server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                *config.bounds.server_options(),
-                ("grpc.so_reuseport", 0),
-            ],
-            maximum_concurrent_rpcs=config.bounds.max_concurrent_rpcs,
-            interceptors=server_interceptors(config.auth_token),
+        self.server = grpc_server(
+            config.bounds, config.auth_token, message_options(MAX_MESSAGE_BYTES)
         )
         self.health = health.aio.HealthServicer()
         self.discovery: KubernetesDiscovery | None = None

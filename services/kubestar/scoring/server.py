@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from kubestar.common.auth import server_interceptors
 from kubestar.common.bounds import ServiceBounds
 from kubestar.common.net import check_can_listen, start_metrics_server
-from kubestar.common.serving import serve_until_signal
+from kubestar.common.serving import grpc_server, serve_until_signal
+from kubestar.common.stubs import message_options
 from kubestar.scoring.batcher import Batcher, BatchingConfig
 from kubestar.scoring.metrics import ScoringMetrics
 from kubestar.scoring.model import ProcessPreferenceModel, squash
@@ -158,15 +158,8 @@ class ScoringServer:
         self.config = config
         self.model = model
         self.metrics = ScoringMetrics()
-        self.server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                *config.bounds.server_options(),
-                ("grpc.so_reuseport", 0),
-            ],
-            maximum_concurrent_rpcs=config.bounds.max_concurrent_rpcs,
-            interceptors=server_interceptors(config.auth_token),
+        self.server = grpc_server(
+            config.bounds, config.auth_token, message_options(MAX_MESSAGE_BYTES)
         )
         self.health = health.aio.HealthServicer()
         self.batcher: Batcher | None = None

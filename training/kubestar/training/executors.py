@@ -27,7 +27,7 @@ from typing import Protocol
 
 import grpc
 from kubestar.common.auth import call_metadata, client_token
-from kubestar.common.stubs import LazyStub
+from kubestar.common.stubs import LazyStub, message_options
 from kubestar.sandbox.client import MAX_MESSAGE_BYTES, Call, SandboxClient, to_execution
 from kubestar.sandbox.retries import (
     DEFAULT_RETRIES,
@@ -41,8 +41,7 @@ from kubestar.v1 import sandbox_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 _CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    *message_options(MAX_MESSAGE_BYTES),
     # Find a restarted sandbox within seconds (gRPC's default backoff grows to 2 minutes).
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 5000),
