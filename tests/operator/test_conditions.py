@@ -24,7 +24,7 @@ from kubestar.api.v1alpha1 import (
 from kubestar.operator import conditions as cond
 from kubestar.operator import rolloutfleet, sandboxpool
 from kubestar.operator import trainingrun as tr
-from kubestar.operator.reconciler import EngineProbe, SchedulerProbe
+from kubestar.operator.reconciler import EngineProbe, SchedulerProbe, status_fields
 from kubestar.operator.rolloutfleet import fleet_status
 from kubestar.operator.sandboxpool import pool_status
 from kubestar.operator.settings import OperatorSettings
@@ -129,13 +129,13 @@ def test_pool_status_counts_capacity_and_surfaces_problems() -> None:
     workers = {"status": {"readyReplicas": 2}}
     dispatcher = {"status": {"readyReplicas": 1}}
     status, ready = pool_status(body, spec, workers, dispatcher, [], OperatorSettings())
-    assert status["capacity"] == 8 and ready.status == "True"
+    assert status.capacity == 8 and ready.status == "True"
     bad = pod("pool-sandbox-worker-1", containerStatuses=[waiting("ImagePullBackOff")])
     status, ready = pool_status(
         body, spec, {"status": {"readyReplicas": 1}}, dispatcher, [bad], OperatorSettings()
     )
     assert ready.status == "False" and ready.reason == "ImagePullBackOff"
-    assert status["readyReplicas"] == 1 and status["capacity"] == 4
+    assert status.ready_replicas == 1 and status.capacity == 4
 
 
 # A worker's termination message as `kubestar sandbox serve --termination-log` writes it.
@@ -185,7 +185,7 @@ def test_a_worker_that_cannot_isolate_names_what_is_missing() -> None:
         f"container worker: {REFUSED}"
     )
     assert second.startswith("pod pool-sandbox-worker-2: OOMKilled: ")
-    assert status["isolation"] == "Required" and status["capacity"] == 0
+    assert status.isolation == "Required" and status.capacity == 0
     # A termination message that names no reason kubestar states stays a crash loop, and
     # the message is passed on.
     crash_loop["lastState"]["terminated"]["message"] = "127.0.0.1:50052: port in use\n"
@@ -205,7 +205,7 @@ def test_pool_without_isolation_says_so() -> None:
         OperatorSettings(),
     )
     assert ready.status == "True" and "calls are not isolated" in ready.message
-    assert status["isolation"] == "Disabled"
+    assert status.isolation == "Disabled"
 
 
 def test_fleet_status_reports_engines_and_kv_capacity() -> None:
@@ -232,8 +232,9 @@ def test_fleet_status_reports_engines_and_kv_capacity() -> None:
         OperatorSettings(),
     )
     assert ready.status == "True"
-    assert status["kvCapacityTokens"] == 12288
-    assert status["engines"][0] == {
+    assert status.kv_capacity_tokens == 12288
+    # As written: what the scheduler did not report is left out.
+    assert status_fields(status)["engines"][0] == {
         "name": "f-engine-0",
         "ready": True,
         "kvCapacityTokens": 4096,
@@ -253,7 +254,7 @@ def test_fleet_status_reports_engines_and_kv_capacity() -> None:
     )
     assert (ready.status, ready.reason) == ("True", "EnginesTakenOut")
     assert ready.message == f"taken out by the scheduler: f-engine-1: {stuck}"
-    assert status["engines"][1]["takenOut"] == stuck
+    assert status.engines[1].taken_out == stuck
     # Both out: the fleet does not serve.
     probes["f-engine-0"] = EngineProbe(4096, 0.25, stuck)
     _, ready = fleet_status(
@@ -368,6 +369,50 @@ def test_job_outcomes() -> None:
     outcome = tr.job_outcome(failed, [oom])
     assert outcome.state == "failed" and outcome.reason == "OOMKilled"
     assert "BackoffLimitExceeded" in outcome.message
+
+
+def test_admission_keeps_the_spec_the_trainer_started_with() -> None:
+    settings = OperatorSettings()
+    accepted = SPEC.model_dump(mode="json", by_alias=True)
+    job = {"metadata": {"name": "r-trainer", "uid": "j"}}
+    never = tr.Observed(None, ["r-trainer"], [None])
+    running = tr.Observed(accepted, ["r-trainer"], [job])
+    invalid = (Reason.INVALID_SPEC, "spec.stages: required")
+    # Invalid and never started: nothing to go on with.
+    assert tr.admitted_spec(invalid, never, settings) == tr.Admission(None, invalid)
+    # Invalid, or changed, once the trainer runs: refused, and the run keeps its spec.
+    kept = tr.admitted_spec(invalid, running, settings)
+    assert kept.spec == SPEC and kept.problem is not None
+    assert kept.problem[1].endswith("(the trainer keeps the spec it started with)")
+    changed = SPEC.model_copy(
+        update={"algorithm": SPEC.algorithm.model_copy(update={"group_size": 8})}
+    )
+    refused = tr.admitted_spec(changed, running, settings)
+    assert refused.spec == SPEC and refused.problem is not None
+    assert refused.problem[0] == Reason.SPEC_CHANGE_REFUSED
+    assert "spec.algorithm.groupSize" in refused.problem[1]
+    assert tr.admitted_spec(SPEC, running, settings) == tr.Admission(SPEC)
+    assert tr.admitted_spec(SPEC, never, settings) == tr.Admission(SPEC)
+
+
+def test_the_run_status_names_the_trainer_once_it_exists() -> None:
+    run = parent("TrainingRun", "r")
+    run["status"] = {"step": 3, "totalSteps": 12}
+    never = tr.Observed(None, ["r-trainer"], [None])
+    # As written: camelCase, the trainer's fields only once there is a trainer.
+    assert status_fields(tr.run_status(run, Phase.PENDING, SPEC, never)) == {
+        "phase": "Pending",
+        "observedGeneration": 1,
+        "stepSummary": "3/12",
+    }
+    created = tr.run_status(run, Phase.PROVISIONING, SPEC, never, started=True)
+    assert status_fields(created) == {
+        "phase": "Provisioning",
+        "observedGeneration": 1,
+        "stepSummary": "3/12",
+        "trainer": "Job/r-trainer",
+        "worldSize": 1,
+    }
 
 
 def test_spec_diff_paths() -> None:

@@ -11,7 +11,7 @@ import pytest
 from kubestar.api import crds
 from kubestar.api import v1alpha1 as api
 from kubestar.api.trainer_contract import trainer_patch
-from kubestar.operator.sandboxpool import validation_message
+from kubestar.operator.reconciler import validation_message
 from pydantic import ValidationError
 
 HELD_OUT = {"generator": "basic_arithmetic", "size": 4}

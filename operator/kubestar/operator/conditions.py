@@ -196,6 +196,11 @@ def summarize(problems: list[Problem], limit: int = 3) -> tuple[str, str]:
     return problems[0].reason, "; ".join(lines)
 
 
+def ready_replicas(workload: Mapping[str, Any] | None) -> int:
+    """A Deployment's or StatefulSet's ready pods (0 when it is absent)."""
+    return int(((workload or {}).get("status") or {}).get("readyReplicas") or 0)
+
+
 def merge(
     current: Sequence[Mapping[str, Any]] | None,
     updates: Iterable[Condition],

@@ -1,6 +1,8 @@
-"""The machinery every resource shares: applying children (server-side apply, only when
-their hash changed), status patches (only when something changed), Events, and a work queue
-that coalesces triggers per resource, bounds concurrency and retries with backoff.
+"""The machinery every resource shares: the reconcile ladder (validate the spec, apply the
+cluster's policy, apply the children, report a conflict or failure in a condition), applying
+children (server-side apply, only when their hash changed), status patches from the status
+models (only when something changed), Events, and a work queue that coalesces triggers per
+resource, bounds concurrency and retries with backoff.
 
 Reconcile is level-triggered and idempotent: it reads the parent and its children and
 converges. A child is applied only when its `kubestar.dev/spec-hash` differs from what the
@@ -15,14 +17,15 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
-from kubestar.api.conditions import Condition, ConditionStatus
+from kubestar.api.conditions import Condition, ConditionStatus, ConditionType, Reason, condition
 from kubestar.common import kube as k
 from kubestar.operator import conditions as cond
 from kubestar.operator import metrics
 from kubestar.operator import objects as o
 from kubestar.operator.settings import OperatorSettings
+from pydantic import BaseModel, ValidationError
 
 log = logging.getLogger("kubestar.operator")
 
@@ -32,6 +35,24 @@ Key = tuple[str, str, str]  # kind, namespace, name
 
 class ChildConflict(Exception):
     """A child's name is taken by an object this resource does not own."""
+
+
+SpecT = TypeVar("SpecT", bound=BaseModel)
+# Why a resource's spec is not admitted (or its children not applied): (reason, message).
+Problem = tuple[str, str]
+
+
+def validation_message(error: ValidationError) -> str:
+    return "; ".join(
+        f"spec.{'.'.join(str(p) for p in item['loc'])}: {item['msg']}" for item in error.errors()
+    )
+
+
+def status_fields(status: BaseModel) -> dict[str, Any]:
+    """The fields of a status model that were set, as the API has them (camelCase, JSON
+    values; None kept, which a merge patch turns into a removal); conditions apart, since
+    `Context.set_conditions` merges those."""
+    return status.model_dump(mode="json", by_alias=True, exclude_unset=True, exclude={"conditions"})
 
 
 def _union(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
@@ -231,13 +252,31 @@ class Context:
         self,
         owner: Mapping[str, Any],
         updates: list[Condition],
-        extra: Mapping[str, Any] | None = None,
+        status: BaseModel | None = None,
     ) -> None:
-        """Patch conditions (and `extra` status fields); an Event per transition."""
+        """Patch conditions (and the fields set in `status`, a model of the resource's
+        status); an Event per transition."""
         before = (owner.get("status") or {}).get("conditions")
-        status = {**(extra or {}), "conditions": cond.merge(before, updates)}
-        if await self.patch_status(owner, status):
-            await self.condition_events(owner, before, status["conditions"])
+        fields = status_fields(status) if status is not None else {}
+        patch = {**fields, "conditions": cond.merge(before, updates)}
+        if await self.patch_status(owner, patch):
+            await self.condition_events(owner, before, patch["conditions"])
+
+    async def apply_children(
+        self,
+        owner: Mapping[str, Any],
+        children: Iterable[o.Obj],
+        immutable: Iterable[o.Obj] = (),
+    ) -> Problem | None:
+        """Apply the children (and create the `immutable` ones, never updated after); a
+        ChildConflict comes back as the problem, an API error is raised."""
+        try:
+            await self.apply_all(owner, children)
+            for child in immutable:
+                await self.apply(owner, child, immutable=True)
+        except ChildConflict as error:
+            return Reason.CHILD_CONFLICT, str(error)
+        return None
 
     async def pods(self, owner: Mapping[str, Any]) -> list[o.Obj]:
         meta = owner["metadata"]
@@ -323,6 +362,46 @@ class Context:
             if item.get("message"):
                 message += f": {item['message']}"
             await self.event(owner, item["reason"], message, "Warning" if warning else "Normal")
+
+
+async def reconcile_children(
+    ctx: Context,
+    owner: Mapping[str, Any],
+    status: type[BaseModel],
+    spec: Callable[[], SpecT],
+    policy: Callable[[SpecT], str | None],
+    children: Callable[[SpecT], list[o.Obj]],
+) -> SpecT | None:
+    """The ladder of a resource whose Ready condition says what stopped it: validate the
+    spec (`spec()`, which raises ValidationError), the cluster's policy (`policy`: why it is
+    refused, or None), apply the `children`; the spec once they are applied, else None with
+    Ready False written (InvalidSpec with `status`'s observedGeneration, ChildConflict). An
+    API error is written (ApplyFailed), then raised: the queue retries with backoff."""
+    generation = owner["metadata"].get("generation", 0)
+    try:
+        parsed = spec()
+    except ValidationError as error:
+        refused: str | None = validation_message(error)
+    else:
+        refused = policy(parsed)
+    if refused:
+        invalid = condition(ConditionType.READY, False, Reason.INVALID_SPEC, refused, generation)
+        await ctx.set_conditions(owner, [invalid], status(observed_generation=generation))
+        return None
+    try:
+        problem = await ctx.apply_children(owner, children(parsed))
+    except k.ApiError as error:
+        failed = condition(
+            ConditionType.READY, False, Reason.APPLY_FAILED, error.message[:500], generation
+        )
+        await ctx.set_conditions(owner, [failed])
+        raise
+    if problem is not None:
+        await ctx.set_conditions(
+            owner, [condition(ConditionType.READY, False, *problem, generation)]
+        )
+        return None
+    return parsed
 
 
 Reconcile = Callable[[Context, o.Obj], Awaitable[None]]

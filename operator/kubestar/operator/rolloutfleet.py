@@ -15,15 +15,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kubestar.api.conditions import Condition, ConditionType, Reason, condition
-from kubestar.api.v1alpha1 import RolloutFleetSpec
+from kubestar.api.v1alpha1 import EngineStatus, RolloutFleetSpec, RolloutFleetStatus, WeightsStatus
 from kubestar.common import kube as k
 from kubestar.operator import build_fleet
 from kubestar.operator import conditions as cond
 from kubestar.operator import objects as o
-from kubestar.operator.reconciler import ChildConflict, Context, EngineProbe, SchedulerProbe
-from kubestar.operator.sandboxpool import ready_replicas, validation_message
+from kubestar.operator.conditions import ready_replicas
+from kubestar.operator.reconciler import Context, EngineProbe, SchedulerProbe, reconcile_children
 from kubestar.operator.settings import OperatorSettings
-from pydantic import ValidationError
 
 KIND = "RolloutFleet"
 log = logging.getLogger(__name__)
@@ -41,19 +40,21 @@ def fleet_spec(fleet: Mapping[str, Any], settings: OperatorSettings) -> RolloutF
 
 def engine_statuses(
     pods: Sequence[Mapping[str, Any]], capacities: Capacities | None
-) -> list[dict[str, Any]]:
+) -> list[EngineStatus]:
+    """Each engine pod, with its KV cache where the scheduler reported it (fields it did not
+    report are left unset, so they are not written)."""
     engines = []
     for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
         labels = pod["metadata"].get("labels") or {}
         if labels.get(o.LABEL_COMPONENT) != build_fleet.ENGINE:
             continue
         name = pod["metadata"]["name"]
-        entry: dict[str, Any] = {"name": name, "ready": k.pod_ready(pod)}
+        entry = EngineStatus(name=name, ready=k.pod_ready(pod))
         if capacities and name in capacities:
             probe = capacities[name]
-            entry["kvCapacityTokens"], entry["kvUsage"] = probe.capacity_tokens, probe.kv_usage
+            entry.kv_capacity_tokens, entry.kv_usage = probe.capacity_tokens, probe.kv_usage
             if probe.taken_out:
-                entry["takenOut"] = probe.taken_out
+                entry.taken_out = probe.taken_out
         engines.append(entry)
     return engines
 
@@ -77,16 +78,16 @@ def fleet_status(
     capacities: Capacities | None,
     settings: OperatorSettings,
     weights: Mapping[str, Any] | None = None,
-) -> tuple[dict[str, Any], Condition]:
-    """(status fields, Ready condition) the operator writes (pure)."""
+) -> tuple[RolloutFleetStatus, Condition]:
+    """(status, Ready condition) the operator writes (pure)."""
     meta = fleet["metadata"]
     generation = meta.get("generation", 0)
     ready_engines = ready_replicas(engines)
     scheduler_ready = ready_replicas(scheduler) >= 1
     per_engine = engine_statuses(pods, capacities)
-    known = [e["kvCapacityTokens"] for e in per_engine if e.get("kvCapacityTokens") is not None]
+    known = [e.kv_capacity_tokens for e in per_engine if e.kv_capacity_tokens is not None]
     reason, message = cond.summarize(cond.diagnose(pods))
-    out = [e for e in per_engine if e.get("takenOut")]
+    out = [e for e in per_engine if e.taken_out]
     if spec.replicas == 0:
         ready = condition(
             ConditionType.READY, False, Reason.NO_REPLICAS, "spec.replicas is 0", generation
@@ -98,8 +99,7 @@ def fleet_status(
             ConditionType.READY,
             len(out) < len(per_engine),
             Reason.ENGINES_TAKEN_OUT,
-            "taken out by the scheduler: "
-            + "; ".join(f"{e['name']}: {e['takenOut']}" for e in out),
+            "taken out by the scheduler: " + "; ".join(f"{e.name}: {e.taken_out}" for e in out),
             generation,
         )
     elif ready_engines >= spec.replicas and scheduler_ready:
@@ -122,69 +122,46 @@ def fleet_status(
             f"{'ready' if scheduler_ready else 'not ready'}",
             generation,
         )
-    status = {
-        "observedGeneration": generation,
-        "accelerator": spec.accelerator,
-        "replicas": spec.replicas,
-        "readyReplicas": ready_engines,
-        "schedulerEndpoint": build_fleet.scheduler_endpoint(
+    status = RolloutFleetStatus(
+        observed_generation=generation,
+        accelerator=spec.accelerator,
+        replicas=spec.replicas,
+        ready_replicas=ready_engines,
+        scheduler_endpoint=build_fleet.scheduler_endpoint(
             meta["name"], meta["namespace"], spec, settings
         ),
-        "openaiEndpoint": build_fleet.openai_endpoint(
+        openai_endpoint=build_fleet.openai_endpoint(
             meta["name"], meta["namespace"], spec, settings
         ),
-        "engines": per_engine,
-        "kvCapacityTokens": sum(known) if known else None,
-        "weights": dict(weights) if weights else None,
-    }
+        engines=per_engine,
+        kv_capacity_tokens=sum(known) if known else None,
+        weights=WeightsStatus.model_validate(weights) if weights else None,
+    )
     return status, ready
 
 
 async def reconcile(ctx: Context, fleet: dict[str, Any]) -> None:
     meta = fleet["metadata"]
-    generation = meta.get("generation", 0)
-    try:
-        spec = fleet_spec(fleet, ctx.settings)
-    except ValidationError as error:
-        invalid = condition(
-            ConditionType.READY, False, Reason.INVALID_SPEC, validation_message(error), generation
-        )
-        await ctx.set_conditions(fleet, [invalid], {"observedGeneration": generation})
+    settings = ctx.settings
+    spec = await reconcile_children(
+        ctx,
+        fleet,
+        RolloutFleetStatus,
+        lambda: fleet_spec(fleet, settings),
+        lambda spec: build_fleet.spec_problem(spec, settings),
+        lambda spec: build_fleet.children(fleet, spec, settings),
+    )
+    if spec is None:
         return
-    refused = build_fleet.spec_problem(spec, ctx.settings)
-    if refused:
-        invalid = condition(ConditionType.READY, False, Reason.INVALID_SPEC, refused, generation)
-        await ctx.set_conditions(fleet, [invalid], {"observedGeneration": generation})
-        return
-    try:
-        await ctx.apply_all(fleet, build_fleet.children(fleet, spec, ctx.settings))
-    except ChildConflict as error:
-        await ctx.set_conditions(
-            fleet,
-            [condition(ConditionType.READY, False, Reason.CHILD_CONFLICT, str(error), generation)],
-        )
-        return
-    except k.ApiError as error:  # reported, then retried with backoff
-        await ctx.set_conditions(
-            fleet,
-            [
-                condition(
-                    ConditionType.READY, False, Reason.APPLY_FAILED, error.message[:500], generation
-                )
-            ],
-        )
-        raise
     engines, scheduler, pods = await asyncio.gather(
-        ctx.live(build_fleet.engine_deployment(fleet, spec, ctx.settings)),
-        ctx.live(build_fleet.scheduler_deployment(fleet, spec, ctx.settings)),
+        ctx.live(build_fleet.engine_deployment(fleet, spec, settings)),
+        ctx.live(build_fleet.scheduler_deployment(fleet, spec, settings)),
         ctx.pods(fleet),
     )
     probe = None
     recorded = (fleet.get("status") or {}).get("weights")
-    if ctx.settings.probe_schedulers and ready_replicas(scheduler) >= 1:
-        endpoint = build_fleet.scheduler_endpoint(
-            meta["name"], meta["namespace"], spec, ctx.settings
-        )
+    if settings.probe_schedulers and ready_replicas(scheduler) >= 1:
+        endpoint = build_fleet.scheduler_endpoint(meta["name"], meta["namespace"], spec, settings)
         try:
             probe = await ctx.probe(endpoint, meta["namespace"])
         except Exception as error:  # the scheduler may be starting: report without capacity
@@ -192,6 +169,6 @@ async def reconcile(ctx: Context, fleet: dict[str, Any]) -> None:
     weights = served_weights(recorded, probe)
     capacities = probe.engines if probe else None
     status, ready = fleet_status(
-        fleet, spec, engines, scheduler, pods, capacities, ctx.settings, weights
+        fleet, spec, engines, scheduler, pods, capacities, settings, weights
     )
     await ctx.set_conditions(fleet, [ready], status)

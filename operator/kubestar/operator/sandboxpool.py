@@ -10,25 +10,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kubestar.api.conditions import Condition, ConditionType, Reason, condition
-from kubestar.api.v1alpha1 import SandboxPoolSpec
-from kubestar.common import kube as k
+from kubestar.api.v1alpha1 import SandboxPoolSpec, SandboxPoolStatus
 from kubestar.operator import build_sandbox
 from kubestar.operator import conditions as cond
-from kubestar.operator.reconciler import ChildConflict, Context
+from kubestar.operator.conditions import ready_replicas
+from kubestar.operator.reconciler import Context, reconcile_children
 from kubestar.operator.settings import OperatorSettings
-from pydantic import ValidationError
 
 KIND = "SandboxPool"
-
-
-def validation_message(error: ValidationError) -> str:
-    return "; ".join(
-        f"spec.{'.'.join(str(p) for p in item['loc'])}: {item['msg']}" for item in error.errors()
-    )
-
-
-def ready_replicas(obj: Mapping[str, Any] | None) -> int:
-    return int(((obj or {}).get("status") or {}).get("readyReplicas") or 0)
 
 
 def pool_status(
@@ -38,8 +27,8 @@ def pool_status(
     dispatcher: Mapping[str, Any] | None,
     pods: Sequence[Mapping[str, Any]],
     settings: OperatorSettings,
-) -> tuple[dict[str, Any], Condition]:
-    """(status fields, Ready condition) the operator writes (pure)."""
+) -> tuple[SandboxPoolStatus, Condition]:
+    """(status, Ready condition) the operator writes (pure)."""
     meta = pool["metadata"]
     generation = meta.get("generation", 0)
     ready_workers = ready_replicas(workers)
@@ -73,63 +62,43 @@ def pool_status(
             f"{'ready' if ready_dispatchers else 'not ready'}",
             generation,
         )
-    status = {
-        "observedGeneration": generation,
-        "replicas": spec.replicas,
-        "readyReplicas": ready_workers,
-        "capacity": ready_workers * spec.executors_per_pod if ready_dispatchers else 0,
-        "endpoint": build_sandbox.endpoint(meta["name"], meta["namespace"], spec, settings),
-        "httpEndpoint": build_sandbox.http_endpoint(
-            meta["name"], meta["namespace"], spec, settings
-        ),
-        "isolation": spec.isolation,
-    }
+    status = SandboxPoolStatus(
+        observed_generation=generation,
+        replicas=spec.replicas,
+        ready_replicas=ready_workers,
+        capacity=ready_workers * spec.executors_per_pod if ready_dispatchers else 0,
+        endpoint=build_sandbox.endpoint(meta["name"], meta["namespace"], spec, settings),
+        http_endpoint=build_sandbox.http_endpoint(meta["name"], meta["namespace"], spec, settings),
+        isolation=spec.isolation,
+    )
     return status, ready
 
 
-async def reconcile(ctx: Context, pool: dict[str, Any]) -> None:
-    generation = pool["metadata"].get("generation", 0)
-    try:
-        spec = SandboxPoolSpec.model_validate(pool.get("spec") or {})
-    except ValidationError as error:
-        invalid = condition(
-            ConditionType.READY, False, Reason.INVALID_SPEC, validation_message(error), generation
-        )
-        await ctx.set_conditions(pool, [invalid], {"observedGeneration": generation})
-        return
-    settings = ctx.settings
-    refused = (
+def refusal(spec: SandboxPoolSpec, settings: OperatorSettings) -> str | None:
+    """Why the cluster's policy refuses the pool (its image, runtime class, isolation)."""
+    return (
         settings.refusal("spec.image", image=spec.image)
         or settings.refusal("spec.runtimeClassName", runtime_class=spec.runtime_class_name or "")
         or settings.refusal("spec.isolation", isolation=spec.isolation)
     )
-    if refused:
-        invalid = condition(ConditionType.READY, False, Reason.INVALID_SPEC, refused, generation)
-        await ctx.set_conditions(pool, [invalid], {"observedGeneration": generation})
+
+
+async def reconcile(ctx: Context, pool: dict[str, Any]) -> None:
+    settings = ctx.settings
+    spec = await reconcile_children(
+        ctx,
+        pool,
+        SandboxPoolStatus,
+        lambda: SandboxPoolSpec.model_validate(pool.get("spec") or {}),
+        lambda spec: refusal(spec, settings),
+        lambda spec: build_sandbox.children(pool, spec, settings),
+    )
+    if spec is None:
         return
-    desired = build_sandbox.children(pool, spec, ctx.settings)
-    try:
-        await ctx.apply_all(pool, desired)
-    except ChildConflict as error:
-        await ctx.set_conditions(
-            pool,
-            [condition(ConditionType.READY, False, Reason.CHILD_CONFLICT, str(error), generation)],
-        )
-        return
-    except k.ApiError as error:  # reported, then retried with backoff
-        await ctx.set_conditions(
-            pool,
-            [
-                condition(
-                    ConditionType.READY, False, Reason.APPLY_FAILED, error.message[:500], generation
-                )
-            ],
-        )
-        raise
     workers, dispatcher, pods = await asyncio.gather(
-        ctx.live(build_sandbox.worker_statefulset(pool, spec, ctx.settings)),
-        ctx.live(build_sandbox.dispatcher_deployment(pool, spec, ctx.settings)),
+        ctx.live(build_sandbox.worker_statefulset(pool, spec, settings)),
+        ctx.live(build_sandbox.dispatcher_deployment(pool, spec, settings)),
         ctx.pods(pool),
     )
-    status, ready = pool_status(pool, spec, workers, dispatcher, pods, ctx.settings)
+    status, ready = pool_status(pool, spec, workers, dispatcher, pods, settings)
     await ctx.set_conditions(pool, [ready], status)

@@ -7,6 +7,11 @@ and refuses (with a condition) spec changes once the trainer runs: the trainer r
 when it started.
 
     Pending -> Provisioning -> (SFT) -> Training -> Succeeded | Failed
+
+A reconcile observes (the run's ConfigMap, Jobs and pods), admits (the spec validated,
+frozen once the trainer runs, checked against the cluster's policy, its children applied),
+decides (pure: phase, conditions, whether to start) and acts (stops a failed run's Jobs,
+starts the trainer, writes the status).
 """
 
 from __future__ import annotations
@@ -41,8 +46,9 @@ from kubestar.api.v1alpha1 import (
 from kubestar.common import kube as k
 from kubestar.operator import build_trainer, metrics, rolloutfleet
 from kubestar.operator import conditions as cond
-from kubestar.operator.reconciler import ChildConflict, Context
-from kubestar.operator.sandboxpool import validation_message
+from kubestar.operator import objects as o
+from kubestar.operator.reconciler import ChildConflict, Context, Problem, validation_message
+from kubestar.operator.settings import OperatorSettings
 from pydantic import ValidationError
 
 KIND = "TrainingRun"
@@ -364,153 +370,298 @@ def step_summary(status: Mapping[str, Any]) -> str:
     return f"{status.get('step') or 0}/{total}" if total else ""
 
 
+# --- reconcile: observe, admit, decide (pure), act ---------------------------------------
+
+
+@dataclass
+class Observed:
+    """What the cluster says of the run's trainer. Children of an earlier run of the same
+    name (deleted, not yet garbage-collected) are not this run's and are left out: their
+    outcome must not end this run."""
+
+    # The spec the trainer was started with (run.yaml in the run's ConfigMap), else None.
+    accepted: dict[str, Any] | None
+    job_names: list[str]
+    # The run's own Jobs, worker 0 first (None where there is none).
+    jobs: list[o.Obj | None]
+    pods: list[o.Obj] = field(default_factory=list)
+    # Job name -> why the API server refused its pod, for Jobs that have no pod.
+    refused: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def started(self) -> bool:
+        return any(job is not None for job in self.jobs)
+
+
+@dataclass
+class Admission:
+    """The spec the run goes on with, and the problem with the one asked for: invalid,
+    refused by the cluster's policy, a change refused once the trainer runs, or a child of
+    the run's name that is not the run's. `spec` is None when there is nothing to go on with
+    (an invalid spec, never started)."""
+
+    spec: TrainingRunSpec | None
+    problem: Problem | None = None
+
+
 async def reconcile(ctx: Context, run: dict[str, Any]) -> None:
-    meta = run["metadata"]
-    name, namespace = meta["name"], meta["namespace"]
-    generation = meta.get("generation", 0)
-    status_now = run.get("status") or {}
-    phase_now = status_now.get("phase") or Phase.PENDING
-    settings = ctx.settings
+    parsed = parse(run)
+    observed = await observe(ctx, run, parsed)
+    admission = await admit(ctx, run, parsed, observed)
+    if admission.spec is None:
+        generation = run["metadata"].get("generation", 0)
+        decision = decide(
+            phase_of(run), generation, admission.problem, None, False, Outcome("absent")
+        )
+        await write(ctx, run, decision, run_status(run, decision.phase))
+        return
+    fleet, pool = await observe_dependencies(ctx, run, admission.spec)
+    decision = decide_run(run, admission, observed, fleet, pool)
+    await act(ctx, run, admission.spec, observed, fleet, pool, decision)
 
-    spec_problem: tuple[str, str] | None = None
-    spec: TrainingRunSpec | None = None
+
+def parse(run: Mapping[str, Any]) -> TrainingRunSpec | Problem:
+    """The run's spec, or why it is invalid."""
     try:
-        spec = TrainingRunSpec.model_validate(run.get("spec") or {})
+        return TrainingRunSpec.model_validate(run.get("spec") or {})
     except ValidationError as error:
-        spec_problem = (Reason.INVALID_SPEC, validation_message(error))
+        return Reason.INVALID_SPEC, validation_message(error)
 
-    # Once the trainer runs, its spec is the one in run.yaml; changes are refused.
-    # Children of an earlier run of the same name (deleted, not yet garbage-collected) are
-    # not this run's: their outcome must not end this run. Applying over them is then a
-    # ChildConflict until the garbage collector has removed them.
-    uid = meta.get("uid", "")
+
+def phase_of(run: Mapping[str, Any]) -> str:
+    return str((run.get("status") or {}).get("phase") or Phase.PENDING)
+
+
+async def observe(
+    ctx: Context, run: Mapping[str, Any], parsed: TrainingRunSpec | Problem
+) -> Observed:
+    """The run's ConfigMap (the spec its trainer started with), its Jobs, their pods and why
+    any Job has none."""
+    meta = run["metadata"]
+    name, namespace, uid = meta["name"], meta["namespace"], meta.get("uid", "")
     config = own(
         await ctx.kube.get(k.path("v1", "ConfigMap", namespace, build_trainer.config_name(name))),
         uid,
     )
     accepted = accepted_spec(config)
-    workers = int(((accepted or {}).get("trainer") or {}).get("workers", 1))
-    if spec is not None and accepted is None:
-        workers = spec.trainer.workers
+    if accepted is not None:
+        workers = int((accepted.get("trainer") or {}).get("workers", 1))
+    else:
+        workers = parsed.trainer.workers if isinstance(parsed, TrainingRunSpec) else 1
     job_names = [build_trainer.worker_name(name, worker) for worker in range(workers)]
-    jobs = list(
-        await asyncio.gather(
-            *(ctx.kube.get(k.path("batch/v1", "Job", namespace, job)) for job in job_names)
-        )
+    found = await asyncio.gather(
+        *(ctx.kube.get(k.path("batch/v1", "Job", namespace, job)) for job in job_names)
     )
-    jobs = [own(job, uid) for job in jobs]
-    started = any(job is not None for job in jobs)
+    observed = Observed(accepted, job_names, [own(job, uid) for job in found])
+    if observed.started:
+        observed.pods = await ctx.pods(run)
+        podless = [
+            job["metadata"]["name"]
+            for job in observed.jobs
+            if job is not None
+            and not any(own(pod, job["metadata"].get("uid", "")) for pod in observed.pods)
+        ]
+        if podless:
+            observed.refused = await ctx.refusals(namespace, "Job", podless)
+    return observed
 
-    if spec is None or spec_problem is not None:
-        if not (started and accepted is not None):
-            decision = decide(phase_now, generation, spec_problem, None, False, Outcome("absent"))
-            await _write(ctx, run, decision, {})
-            return
-        assert spec_problem is not None
-        spec_problem = (
-            spec_problem[0],
-            spec_problem[1] + " (the trainer keeps the spec it started with)",
-        )
-        spec = TrainingRunSpec.model_validate(accepted)
-    elif started and accepted is not None:
-        current = spec.model_dump(mode="json", by_alias=True)
-        if accepted != current:
-            changed = diff_paths(accepted, current)
-            spec_problem = (
+
+def admitted_spec(
+    parsed: TrainingRunSpec | Problem, observed: Observed, settings: OperatorSettings
+) -> Admission:
+    """Which spec the run goes on with (pure). Once the trainer runs, its spec is the one in
+    run.yaml: an invalid spec or a change is refused and the accepted spec kept."""
+    accepted = observed.accepted if observed.started else None
+    if not isinstance(parsed, TrainingRunSpec):
+        if accepted is None:
+            return Admission(None, parsed)
+        reason, message = parsed
+        kept = f"{message} (the trainer keeps the spec it started with)"
+        return Admission(TrainingRunSpec.model_validate(accepted), (reason, kept))
+    if accepted is not None:
+        current = parsed.model_dump(mode="json", by_alias=True)
+        if accepted == current:
+            return Admission(parsed)
+        changed = diff_paths(accepted, current)
+        return Admission(
+            TrainingRunSpec.model_validate(accepted),
+            (
                 Reason.SPEC_CHANGE_REFUSED,
                 f"the trainer is running with the spec it started with; cannot change "
                 f"{', '.join(changed[:8])}{' ...' if len(changed) > 8 else ''} "
                 "(revert the change, or create a new TrainingRun)",
-            )
-            spec = TrainingRunSpec.model_validate(accepted)
-    elif not started and (problem := build_trainer.spec_problem(spec, settings)):
-        spec_problem = (Reason.INVALID_SPEC, problem)
-
-    try:
-        await ctx.apply_all(
-            run,
-            [
-                build_trainer.config_map(run, spec),
-                *build_trainer.rbac(run),
-                *build_trainer.telemetry(run, settings),
-                *build_trainer.auth(run, settings),
-                *build_trainer.network_policies(run, spec, settings),
-            ],
+            ),
         )
-        claim = build_trainer.checkpoint_claim(run, spec, settings)
-        if claim is not None:
-            # Never updated: a claim's size and class are fixed once bound.
-            await ctx.apply(run, claim, immutable=True)
-    except ChildConflict as error:
-        spec_problem = (Reason.CHILD_CONFLICT, str(error))
+    if not observed.started and (refused := build_trainer.spec_problem(parsed, settings)):
+        return Admission(parsed, (Reason.INVALID_SPEC, refused))
+    return Admission(parsed)
 
-    fleet, pool = await asyncio.gather(
-        ctx.kube.get(
-            k.path(f"{GROUP}/{VERSION}", "RolloutFleet", namespace, spec.rollout_fleet_ref.name)
-        ),
-        ctx.kube.get(
-            k.path(f"{GROUP}/{VERSION}", "SandboxPool", namespace, spec.sandbox_pool_ref.name)
-        ),
-    )
-    deps, deps_exist = dependencies(spec, namespace, fleet, pool, generation)
 
-    pods = await ctx.pods(run) if started else []
-    podless = [
-        job["metadata"]["name"]
-        for job in jobs
-        if job is not None and not any(own(pod, job["metadata"].get("uid", "")) for pod in pods)
+def run_children(
+    run: Mapping[str, Any], spec: TrainingRunSpec, settings: OperatorSettings
+) -> list[o.Obj]:
+    """The children the run has before its trainer: the trainer's spec, its identity, its
+    metrics' Service and ConfigMap, its token, its network policies (the checkpoint claim
+    apart: never updated)."""
+    return [
+        build_trainer.config_map(run, spec),
+        *build_trainer.rbac(run),
+        *build_trainer.telemetry(run, settings),
+        *build_trainer.auth(run, settings),
+        *build_trainer.network_policies(run, spec, settings),
     ]
-    refused = await ctx.refusals(namespace, "Job", podless) if podless else {}
-    outcome = workers_outcome(jobs, pods, refused)
-    decision = decide(phase_now, generation, spec_problem, deps, deps_exist, outcome)
-    reported = reported_status(run)
-    rollouts = rollouts_condition(reported, generation)
+
+
+async def admit(
+    ctx: Context, run: Mapping[str, Any], parsed: TrainingRunSpec | Problem, observed: Observed
+) -> Admission:
+    """The ladder validate -> policy -> apply -> conflict of kubestar.operator.reconciler,
+    the problem going to the SpecAccepted condition (`decide`) rather than Ready: the spec
+    admitted (admitted_spec), then its children applied (a conflict is the problem now)."""
+    admission = admitted_spec(parsed, observed, ctx.settings)
+    if admission.spec is None:
+        return admission
+    claim = build_trainer.checkpoint_claim(run, admission.spec, ctx.settings)
+    # Never updated: a claim's size and class are fixed once bound.
+    conflict = await ctx.apply_children(
+        run,
+        run_children(run, admission.spec, ctx.settings),
+        immutable=[claim] if claim is not None else [],
+    )
+    if conflict is not None:
+        admission.problem = conflict
+    return admission
+
+
+async def observe_dependencies(
+    ctx: Context, run: Mapping[str, Any], spec: TrainingRunSpec
+) -> tuple[o.Obj | None, o.Obj | None]:
+    """The run's RolloutFleet and SandboxPool, or None where absent."""
+    namespace = run["metadata"]["namespace"]
+    api_version = f"{GROUP}/{VERSION}"
+    fleet, pool = await asyncio.gather(
+        ctx.kube.get(k.path(api_version, "RolloutFleet", namespace, spec.rollout_fleet_ref.name)),
+        ctx.kube.get(k.path(api_version, "SandboxPool", namespace, spec.sandbox_pool_ref.name)),
+    )
+    return fleet, pool
+
+
+def decide_run(
+    run: Mapping[str, Any],
+    admission: Admission,
+    observed: Observed,
+    fleet: Mapping[str, Any] | None,
+    pool: Mapping[str, Any] | None,
+) -> Decision:
+    """The phase, conditions and whether to start the trainer, from what was observed and
+    admitted (pure): `decide`, with the trainer's RolloutsHealthy."""
+    assert admission.spec is not None
+    meta = run["metadata"]
+    generation = meta.get("generation", 0)
+    deps, deps_exist = dependencies(admission.spec, meta["namespace"], fleet, pool, generation)
+    outcome = workers_outcome(observed.jobs, observed.pods, observed.refused)
+    decision = decide(phase_of(run), generation, admission.problem, deps, deps_exist, outcome)
+    rollouts = rollouts_condition(reported_status(run), generation)
     if rollouts is not None:
         decision.conditions.append(rollouts)
+    return decision
+
+
+def run_status(
+    run: Mapping[str, Any],
+    phase: Phase,
+    spec: TrainingRunSpec | None = None,
+    observed: Observed | None = None,
+    started: bool = False,
+) -> TrainingRunStatus:
+    """What the operator writes of the status (pure): the phase and, once the trainer was
+    created (`observed.started`, or `started` just now), its Jobs, its world size and, while
+    worker 0's pod lives, the rendezvous address."""
+    status = TrainingRunStatus(
+        phase=phase,
+        observed_generation=run["metadata"].get("generation", 0),
+        step_summary=step_summary(run.get("status") or {}),
+    )
+    if spec is None or observed is None or not (started or observed.started):
+        return status
+    status.trainer = ",".join(f"Job/{job}" for job in observed.job_names)
+    status.world_size = build_trainer.world_size(spec)
+    worker_0 = observed.jobs[0]
+    if worker_0 is not None and status.world_size > 1:
+        uid = worker_0["metadata"].get("uid", "")
+        status.rendezvous_address = build_trainer.rendezvous_pod_address(
+            [pod for pod in observed.pods if own(pod, uid)]
+        )
+    return status
+
+
+async def act(
+    ctx: Context,
+    run: dict[str, Any],
+    spec: TrainingRunSpec,
+    observed: Observed,
+    fleet: Mapping[str, Any] | None,
+    pool: Mapping[str, Any] | None,
+    decision: Decision,
+) -> None:
+    """Stop a failed run's Jobs, watch for a stall, start the trainer when `decision` says
+    so, and write the status."""
+    generation = run["metadata"].get("generation", 0)
     if decision.phase == Phase.FAILED:
-        await stop_jobs(ctx, run, [job for job in jobs if job is not None])
-    stalled = watchdog(ctx, run, decision.phase, reported, spec, generation)
+        await stop_jobs(ctx, run, [job for job in observed.jobs if job is not None])
+    stalled = watchdog(ctx, run, decision.phase, reported_status(run), spec, generation)
     if stalled is not None:
         decision.conditions.append(stalled)
+    if not (decision.start and fleet is not None and pool is not None):
+        await write(ctx, run, decision, run_status(run, decision.phase, spec, observed))
+        return
+    workloads = await trainer_workloads(ctx, run, spec, fleet, pool)
+    try:
+        await create_trainer(ctx, run, workloads)
+    except (k.ApiError, ChildConflict) as error:
+        conflict = isinstance(error, ChildConflict)
+        reason = Reason.CHILD_CONFLICT if conflict else Reason.APPLY_FAILED
+        message = error.message if isinstance(error, k.ApiError) else str(error)
+        failed = condition(ConditionType.TRAINER_READY, False, reason, message[:500], generation)
+        decision.conditions = [
+            failed if c.type == ConditionType.TRAINER_READY else c for c in decision.conditions
+        ]
+        await write(ctx, run, decision, run_status(run, decision.phase, spec, observed))
+        if conflict:
+            return
+        raise
+    decision.phase = Phase.PROVISIONING
+    await write(ctx, run, decision, run_status(run, decision.phase, spec, observed, started=True))
 
-    extra: dict[str, Any] = {}
-    if started:
-        extra["trainer"] = ",".join(f"Job/{job}" for job in job_names)
-        extra["worldSize"] = build_trainer.world_size(spec)
-        if jobs[0] is not None and build_trainer.world_size(spec) > 1:
-            worker_0 = [pod for pod in pods if own(pod, jobs[0]["metadata"].get("uid", ""))]
-            extra["rendezvousAddress"] = build_trainer.rendezvous_pod_address(worker_0)
-    if decision.start and fleet is not None and pool is not None:
-        fleet_spec = rolloutfleet.fleet_spec(fleet, settings)
-        pool_spec = SandboxPoolSpec.model_validate(pool.get("spec") or {})
-        version = await ctx.server_version()
-        workloads = build_trainer.jobs(run, spec, fleet_spec, pool_spec, settings, version)
-        if build_trainer.world_size(spec) > 1:
-            workloads.insert(0, build_trainer.rendezvous_service(run, settings))
-        try:
-            for workload in workloads:
-                applied = await ctx.apply(run, workload, immutable=True)
-                if applied.action == "created":
-                    await ctx.event(
-                        run,
-                        Reason.TRAINER_CREATED,
-                        f"created {workload['kind']} {workload['metadata']['name']}",
-                    )
-        except (k.ApiError, ChildConflict) as error:
-            conflict = isinstance(error, ChildConflict)
-            reason = Reason.CHILD_CONFLICT if conflict else Reason.APPLY_FAILED
-            message = str(error) if isinstance(error, ChildConflict) else error.message
-            decision.conditions[-1] = condition(
-                ConditionType.TRAINER_READY, False, reason, message[:500], generation
+
+async def trainer_workloads(
+    ctx: Context,
+    run: Mapping[str, Any],
+    spec: TrainingRunSpec,
+    fleet: Mapping[str, Any],
+    pool: Mapping[str, Any],
+) -> list[o.Obj]:
+    """The trainer: a Job per worker, after the headless Service where they meet."""
+    settings = ctx.settings
+    fleet_spec = rolloutfleet.fleet_spec(fleet, settings)
+    pool_spec = SandboxPoolSpec.model_validate(pool.get("spec") or {})
+    version = await ctx.server_version()
+    workloads = build_trainer.jobs(run, spec, fleet_spec, pool_spec, settings, version)
+    if build_trainer.world_size(spec) > 1:
+        workloads.insert(0, build_trainer.rendezvous_service(run, settings))
+    return workloads
+
+
+async def create_trainer(ctx: Context, run: Mapping[str, Any], workloads: list[o.Obj]) -> None:
+    """Create the trainer's workloads (never updated after), an Event for each created."""
+    for workload in workloads:
+        applied = await ctx.apply(run, workload, immutable=True)
+        if applied.action == "created":
+            await ctx.event(
+                run,
+                Reason.TRAINER_CREATED,
+                f"created {workload['kind']} {workload['metadata']['name']}",
             )
-            await _write(ctx, run, decision, extra)
-            if isinstance(error, ChildConflict):
-                return
-            raise
-        decision.phase = Phase.PROVISIONING
-        extra["trainer"] = ",".join(f"Job/{job}" for job in job_names)
-        extra["worldSize"] = build_trainer.world_size(spec)
-    await _write(ctx, run, decision, extra)
 
 
 def finished(job: Mapping[str, Any]) -> bool:
@@ -540,18 +691,12 @@ async def stop_jobs(
         )
 
 
-async def _write(
-    ctx: Context, run: dict[str, Any], decision: Decision, extra: dict[str, Any]
+async def write(
+    ctx: Context, run: dict[str, Any], decision: Decision, status: TrainingRunStatus
 ) -> None:
+    """The status and the decision's conditions; an Event and a metric per phase change."""
     meta = run["metadata"]
-    status_now = run.get("status") or {}
-    before = status_now.get("phase")
-    status = {
-        "phase": decision.phase,
-        "observedGeneration": meta.get("generation", 0),
-        "stepSummary": step_summary(status_now),
-        **extra,
-    }
+    before = (run.get("status") or {}).get("phase")
     await ctx.set_conditions(run, decision.conditions, status)
     key = (meta["namespace"], meta["name"])
     seen = ctx.phases.get(key, before)
