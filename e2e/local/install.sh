@@ -36,8 +36,8 @@ KUBELET_PATCHES=("$HERE"/patches/kubelet-*.patch)
 # The patches' own hash is part of it: editing a patch rebuilds.
 RECIPE="reflect2-1.0.2+json-iterator-1.1.12+openapi-nil-check+kubelet-patches-$(cat "${KUBELET_PATCHES[@]}" | sha256sum | cut -c1-12)"
 # Debian packages a node needs (dockerd + containerd + runc, image building, a static C
-# toolchain for pause).
-NODE_PACKAGES=(docker.io debootstrap gcc libc6-dev patch rsync)
+# toolchain for pause), and the Prometheus the end-to-end suite scrapes the pods with.
+NODE_PACKAGES=(docker.io debootstrap gcc libc6-dev patch rsync prometheus)
 # Private apt configuration (deb-src lines derived from the machine's own sources).
 APT_DIR="$CACHE/apt"
 
@@ -50,7 +50,7 @@ have_all() {
     done
     [[ "$(cat "$BIN/.recipe" 2>/dev/null)" == "$RECIPE" ]] || return 1
     command -v etcd >/dev/null && command -v openssl >/dev/null && command -v dockerd >/dev/null \
-        && command -v debootstrap >/dev/null
+        && command -v debootstrap >/dev/null && command -v prometheus >/dev/null
 }
 
 if [[ "${1:-}" == "--check" ]]; then

@@ -39,6 +39,7 @@ from pathlib import Path
 import pytest
 
 from e2e.tests.kube import CommandFailed, Tools
+from e2e.tests.prometheus import Prometheus
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kubestar"
@@ -96,6 +97,16 @@ def tools(settings: Settings) -> Iterator[Tools]:
     (settings.out / "notes.json").write_text(json.dumps(settings.notes, indent=2, default=str))
     dump_diagnostics(tools, settings)
     clean_up(tools, settings)
+
+
+@pytest.fixture(scope="session")
+def prometheus(tools: Tools, settings: Settings) -> Iterator[Prometheus]:
+    """A real Prometheus scraping kubestar's pods in the suite's namespaces (found through
+    the cluster's API), from the first test that asks for it to the suite's end."""
+    namespaces = [settings.namespace, settings.tenant_namespace, settings.system_namespace]
+    server = Prometheus(settings.out / "prometheus").start(os.environ["KUBECONFIG"], namespaces)
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -21,9 +21,11 @@ import functools
 import hashlib
 import hmac
 import json
+import math
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ from e2e.tests.faults import (
     metrics_log,
 )
 from e2e.tests.kube import Obj, Recorder, Tools, Watch, condition, wait_for
+from e2e.tests.prometheus import Prometheus, values
 from e2e.tests.rehearsal import json_lines as rehearsal_log_lines
 from e2e.tests.rehearsal import manifest as rehearsal_manifest
 from e2e.tests.rehearsal import prepare_volumes
@@ -181,7 +184,10 @@ def run_in_dispatcher(tools: Tools, settings: Settings, script: str, timeout: fl
 
 
 @provides("chart")
-def test_helm_install_and_operator_ready(tools: Tools, settings: Settings) -> None:
+def test_helm_install_and_operator_ready(
+    tools: Tools, settings: Settings, prometheus: Prometheus
+) -> None:
+    """The chart installs; the suite's Prometheus already watches the namespaces."""
     started = time.monotonic()
     # Namespace-scoped, as the chart installs by default: a Role in each tenant's namespace,
     # which must exist first. The closed policy is opened for one image prefix only: the
@@ -889,7 +895,9 @@ def test_the_fleet_is_one_openai_endpoint(tools: Tools, settings: Settings) -> N
 
 
 @needs("chart", "fleet", "pool", "run")
-def test_run_succeeds_with_step_metrics_and_checkpoint(tools: Tools, settings: Settings) -> None:
+def test_run_succeeds_with_step_metrics_and_checkpoint(
+    tools: Tools, settings: Settings, prometheus: Prometheus
+) -> None:
     recorder = Journey.recorder
     assert recorder is not None
 
@@ -970,6 +978,8 @@ def test_run_succeeds_with_step_metrics_and_checkpoint(tools: Tools, settings: S
     assert metrics_after.get("results.internal", 0) == 0, metrics_after
     assert metrics_after.get("results.queue-timeout", 0) == 0, metrics_after
 
+    run_was_scraped(tools, settings, prometheus)
+
     watch = Journey.watch
     assert watch is not None
     wait_for(
@@ -981,6 +991,41 @@ def test_run_succeeds_with_step_metrics_and_checkpoint(tools: Tools, settings: S
     lines = watch.lines()
     assert lines[0].split()[:4] == ["NAME", "PHASE", "STAGE", "STEP"], lines[:2]
     assert any(re.search(rf"^{RUN}\s+Training\s+\S+\s+\d/2", line) for line in lines), lines
+
+
+def run_was_scraped(tools: Tools, settings: Settings, prometheus: Prometheus) -> None:
+    """Prometheus scraped rank 0 while it trained (the step rising to the last one, the
+    reward), the sandbox's call counters and the scheduler's queue; and `kubestar report
+    --run` draws the run's report from the cluster alone."""
+    where = f'namespace="{settings.namespace}"'
+    (step,) = prometheus.query_range(
+        f'max(kubestar_trainer_step{{run="{RUN}",{where}}})', prometheus.started
+    )
+    seen = values(step)
+    assert seen == sorted(seen) and seen[-1] == 2 and 1 in seen, seen
+    rewards = prometheus.query_range(
+        f'kubestar_trainer_reward{{run="{RUN}",{where}}}', prometheus.started
+    )
+    assert rewards and all(0 <= value <= 1 for s in rewards for value in values(s)), rewards
+    (calls,) = prometheus.query_range(
+        f"sum(kubestar_sandbox_results_total{{{where}}})", prometheus.started
+    )
+    assert values(calls)[-1] > 0, calls
+    queue = prometheus.query_range(
+        f"kubestar_scheduler_queue_length{{{where}}}", prometheus.started
+    )
+    assert queue, "no kubestar_scheduler_queue_length series"
+    settings.notes["prometheus_targets"] = sorted(
+        {target["labels"].get("component", "") for target in prometheus.targets()}
+    )
+
+    out = settings.out / "report-from-cluster"
+    report_command = [sys.executable, "-m", "kubestar.cli.main", "report", "--run", RUN]
+    tools.run([*report_command, "-n", settings.namespace, "--out", str(out)])
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in logged if "stage_step" in e] == [1, 2], logged
+    report = (out / "report" / "report.md").read_text()
+    assert "Phase **Succeeded**, step 2 of 2" in report, report
 
 
 SEARCH_PROBLEMS, SEARCH_CHILDREN = 3, 4
@@ -1566,6 +1611,22 @@ def check_rehearsal(tools: Tools, settings: Settings, final: Obj, config: pytest
         f"{kept['evaluated']}; SFT {sft['examples']:.0f} conversations in {sft['seconds']:.0f} s; "
         f"avg@4 {evaluations[-1]['accuracy']:.2f}, pass@4 {evaluations[-1]['passAtK']:.2f}"
     )
+
+
+@needs("chart")
+def test_every_dashboard_query_returns_data(settings: Settings, prometheus: Prometheus) -> None:
+    """Each panel of the chart's Grafana dashboard, as Grafana would ask for it over the
+    suite (the run, the faults, the rehearsal's evaluations), finds data in the Prometheus
+    that scraped the suite's pods."""
+    dashboard = json.loads((CHART / "dashboards" / "kubestar.json").read_text())
+    empty = []
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            expression = target["expr"].replace("$run", ".*")
+            found = prometheus.query_range(expression, prometheus.started)
+            if not any(not math.isnan(value) for series in found for value in values(series)):
+                empty.append(f"{panel['title']}: {expression}")
+    assert not empty, "\n".join(empty)
 
 
 @needs("chart")
