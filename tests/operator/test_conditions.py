@@ -22,7 +22,7 @@ from kubestar.api.v1alpha1 import (
     TrainingRunStatus,
 )
 from kubestar.operator import conditions as cond
-from kubestar.operator import rolloutfleet, sandboxpool
+from kubestar.operator import reconciler, rolloutfleet
 from kubestar.operator import trainingrun as tr
 from kubestar.operator.reconciler import EngineProbe, SchedulerProbe, status_fields
 from kubestar.operator.rolloutfleet import fleet_status
@@ -451,7 +451,7 @@ def test_one_condition_helper_for_the_operator_and_the_trainer() -> None:
     ]
     assert defined == [Path("protos/kubestar/api/conditions.py")]
     # The trainer's progress reporting and the operator's reconcilers use that one.
-    for module in (progress, tr, sandboxpool, rolloutfleet):
+    for module in (progress, tr, cond, reconciler, rolloutfleet):
         assert vars(module)["condition"] is conditions.condition, module.__name__
 
 

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kubestar.api.conditions import Condition, Reason, now
+from kubestar.api.conditions import Condition, ConditionType, Reason, condition, now
 
 # Container waiting reasons that mean "this will not start by itself".
 IMAGE_REASONS = {
@@ -199,6 +199,28 @@ def summarize(problems: list[Problem], limit: int = 3) -> tuple[str, str]:
 def ready_replicas(workload: Mapping[str, Any] | None) -> int:
     """A Deployment's or StatefulSet's ready pods (0 when it is absent)."""
     return int(((workload or {}).get("status") or {}).get("readyReplicas") or 0)
+
+
+def ready(
+    generation: int,
+    replicas: int,
+    serving: str | None,
+    progress: str,
+    pods: Sequence[Mapping[str, Any]],
+) -> Condition:
+    """The Ready condition of a pool or fleet: False (NoReplicas) when spec.replicas is 0;
+    True with the message `serving` once all its pods are ready (`serving` None before);
+    else False with what is wrong with its pods, or Progressing with `progress`."""
+    if replicas == 0:
+        return condition(
+            ConditionType.READY, False, Reason.NO_REPLICAS, "spec.replicas is 0", generation
+        )
+    if serving is not None:
+        return condition(ConditionType.READY, True, Reason.READY, serving, generation)
+    reason, message = summarize(diagnose(pods))
+    if reason:
+        return condition(ConditionType.READY, False, reason, message, generation)
+    return condition(ConditionType.READY, False, Reason.PROGRESSING, progress, generation)
 
 
 def merge(

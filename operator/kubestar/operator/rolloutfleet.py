@@ -86,13 +86,9 @@ def fleet_status(
     scheduler_ready = ready_replicas(scheduler) >= 1
     per_engine = engine_statuses(pods, capacities)
     known = [e.kv_capacity_tokens for e in per_engine if e.kv_capacity_tokens is not None]
-    reason, message = cond.summarize(cond.diagnose(pods))
     out = [e for e in per_engine if e.taken_out]
-    if spec.replicas == 0:
-        ready = condition(
-            ConditionType.READY, False, Reason.NO_REPLICAS, "spec.replicas is 0", generation
-        )
-    elif ready_engines >= spec.replicas and scheduler_ready and out:
+    all_ready = ready_engines >= spec.replicas and scheduler_ready
+    if spec.replicas and all_ready and out:
         # The pods are ready, but the scheduler took engines out (a weight reload that did
         # not finish, say): the fleet serves while one of them still takes turns.
         ready = condition(
@@ -102,25 +98,17 @@ def fleet_status(
             "taken out by the scheduler: " + "; ".join(f"{e.name}: {e.taken_out}" for e in out),
             generation,
         )
-    elif ready_engines >= spec.replicas and scheduler_ready:
-        ready = condition(
-            ConditionType.READY,
-            True,
-            Reason.READY,
-            f"{ready_engines} {spec.accelerator} engine(s) behind the {spec.scheduler.policy} "
-            "scheduler",
-            generation,
-        )
-    elif reason:
-        ready = condition(ConditionType.READY, False, reason, message, generation)
     else:
-        ready = condition(
-            ConditionType.READY,
-            False,
-            Reason.PROGRESSING,
+        serving = (
+            f"{ready_engines} {spec.accelerator} engine(s) behind the {spec.scheduler.policy} "
+            "scheduler"
+        )
+        progress = (
             f"{ready_engines}/{spec.replicas} engines ready, scheduler "
-            f"{'ready' if scheduler_ready else 'not ready'}",
-            generation,
+            f"{'ready' if scheduler_ready else 'not ready'}"
+        )
+        ready = cond.ready(
+            generation, spec.replicas, serving if all_ready else None, progress, pods
         )
     status = RolloutFleetStatus(
         observed_generation=generation,

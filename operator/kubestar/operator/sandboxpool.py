@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kubestar.api.conditions import Condition, ConditionType, Reason, condition
+from kubestar.api.conditions import Condition
 from kubestar.api.v1alpha1 import SandboxPoolSpec, SandboxPoolStatus
 from kubestar.operator import build_sandbox
 from kubestar.operator import conditions as cond
@@ -33,35 +33,20 @@ def pool_status(
     generation = meta.get("generation", 0)
     ready_workers = ready_replicas(workers)
     ready_dispatchers = ready_replicas(dispatcher)
-    reason, message = cond.summarize(cond.diagnose(pods))
-    if spec.replicas == 0:
-        ready = condition(
-            ConditionType.READY, False, Reason.NO_REPLICAS, "spec.replicas is 0", generation
-        )
-    elif ready_workers >= spec.replicas and ready_dispatchers >= 1:
+    serving = None
+    if ready_workers >= spec.replicas and ready_dispatchers >= 1:
         unisolated = (
             "; isolation Disabled: calls are not isolated (development only)"
             if spec.isolation == "Disabled"
             else ""
         )
-        ready = condition(
-            ConditionType.READY,
-            True,
-            Reason.READY,
-            f"{ready_workers} worker(s) with {spec.executors_per_pod} executors each{unisolated}",
-            generation,
-        )
-    elif reason:
-        ready = condition(ConditionType.READY, False, reason, message, generation)
-    else:
-        ready = condition(
-            ConditionType.READY,
-            False,
-            Reason.PROGRESSING,
-            f"{ready_workers}/{spec.replicas} workers ready, dispatcher "
-            f"{'ready' if ready_dispatchers else 'not ready'}",
-            generation,
-        )
+        serving = f"{ready_workers} worker(s) with {spec.executors_per_pod} executors each"
+        serving += unisolated
+    progress = (
+        f"{ready_workers}/{spec.replicas} workers ready, dispatcher "
+        f"{'ready' if ready_dispatchers else 'not ready'}"
+    )
+    ready = cond.ready(generation, spec.replicas, serving, progress, pods)
     status = SandboxPoolStatus(
         observed_generation=generation,
         replicas=spec.replicas,
