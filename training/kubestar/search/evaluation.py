@@ -148,30 +148,5 @@ class SearchEvaluation:
     """The trainer's `SearchEvaluator` (kubestar.training.workers): `check_ppm` before
     training, `search_problems` at each evaluation point."""
 
-    def check(self, spec: SearchEvaluationSpec, model_dir: Path) -> None:
-        check_ppm(spec, model_dir)
-
-    async def solve(
-        self,
-        *,
-        scheduler: Generate,
-        sandbox: ExecuteBatch,
-        model_dir: Path,
-        encode: Encode,
-        problems: Sequence[Problem],
-        spec: SearchEvaluationSpec,
-        max_response_tokens: int,
-        judge: Judge,
-        call_limits: CallLimitsSpec | None = None,
-    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        return await search_problems(
-            scheduler=scheduler,
-            sandbox=sandbox,
-            model_dir=model_dir,
-            encode=encode,
-            problems=problems,
-            spec=spec,
-            max_response_tokens=max_response_tokens,
-            judge=judge,
-            call_limits=call_limits,
-        )
+    check = staticmethod(check_ppm)
+    solve = staticmethod(search_problems)
