@@ -381,10 +381,7 @@ def sft_weights(
         return folder
     model_dir = resolve_model(run["spec"]["model"]["name"])
     spec = SftSpec.model_validate(run["spec"]["sft"])
-    stack = LocalStack(
-        args.run_dir / "logs",
-        sandbox=LocalStack.for_run(pool, fleet, model_dir, args.run_dir / "logs").sandbox,
-    )
+    stack = LocalStack.for_run(pool, fleet, model_dir, args.run_dir / "logs", serving=False)
     policy = Policy(model_dir, OptimizerConfig(learning_rate=spec.learning_rate))
     started = time.monotonic()
     with stack.running() as endpoints:

@@ -81,18 +81,21 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from kubestar.cli.solve import search_services, solver_stack
 from kubestar.common.stats import difference_text
 from kubestar.engine.client import EngineClient
-from kubestar.engine.models import resolve_model, tokenizer_sha256
-from kubestar.search.adapters import StepSampling
-from kubestar.search.ppm_data import Encode
-from kubestar.search.scorer import PpmSource
+from kubestar.engine.models import resolve_model
+from kubestar.search.entrypoints import (
+    SearchConfig,
+    SearchEvalConfig,
+    SolverEndpoints,
+    search_services,
+    solver_stack,
+)
 from kubestar.search.solve import MAJORITY, MODES, SCORED_MODES, Solved
 from kubestar.search.sweep import SweepPoint, SweepSettings, format_table, plot_sweep, sweep
-from kubestar.search.tree import SearchSettings
 from kubestar.training.chat import ChatTokenizer
 from kubestar.training.datasets import Problem, load_problems
+from kubestar.training.local import LocalServiceSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 # The learning bench's families: where its SFT'd policy has room.
@@ -334,11 +337,8 @@ async def run_parts(
     args: argparse.Namespace,
     problems: list[Problem],
     settings: SweepSettings,
-    scheduler: str,
-    sandbox: str,
+    where: SolverEndpoints,
     engine_urls: tuple[str, ...],
-    encode: Encode,
-    ppm: PpmSource,
 ) -> dict[str, Any]:
     meter = EngineMeter(engine_urls)
     report: dict[str, Any] = {}
@@ -351,14 +351,7 @@ async def run_parts(
             flush=True,
         )
 
-    async with solver_stack(
-        scheduler=scheduler,
-        sandbox=sandbox,
-        encode=encode,
-        format_name=args.format,
-        ppm=ppm,
-        tool_timeout=args.tool_timeout,
-    ) as stack:
+    async with solver_stack(where) as stack:
         if "accuracy" not in args.skip:
             started = time.monotonic()
             points = await sweep(problems, settings, stack, on_done=progress, meter=meter)
@@ -406,54 +399,44 @@ def main() -> None:
     args.run_dir.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model(args.model)
     problems = load_bench_problems(args)
-    budgets = tuple(int(b) for b in args.budgets.split(","))
-    settings = SweepSettings(
+    # The same settings `kubestar eval --search` takes; the bench runs its own parts on them.
+    config = SearchEvalConfig(
         modes=tuple(args.modes.split(",")),
-        budgets=budgets,
-        search=SearchSettings(
+        problems=args.problems,
+        model=args.model,
+        budgets=tuple(int(b) for b in args.budgets.split(",")),
+        search=SearchConfig(
+            step_format=args.format,
             children=args.children,
             beam_samples=args.beam_samples,
             max_depth=args.max_depth,
-        ),
-        sampling=StepSampling(
             temperature=args.temperature,
             top_p=args.top_p,
             max_step_tokens=args.max_step_tokens,
-            seed=args.sampling_seed,
+            sampling_seed=args.sampling_seed,
+            tool_timeout=args.tool_timeout,
+            concurrency=args.concurrency,
+            ppm=args.ppm,
+            ppm_device=args.ppm_device,
         ),
-        concurrency=args.concurrency,
-        max_context=args.max_model_len,
+        services=LocalServiceSettings(
+            engine_python=args.engine_python,
+            device=args.device,
+            sandbox_executors=args.sandbox_executors,
+            log_dir=str(args.run_dir / "logs"),
+            max_model_len=args.max_model_len,
+            engines=args.engines,
+        ),
     )
+    settings = config.sweep_settings()
     tokenizer = ChatTokenizer.from_model(model_dir)
-    ppm = PpmSource(args.ppm, "", args.ppm_device, tokenizer_sha256(model_dir))
+    ppm = config.search.ppm_source(model_dir)
     started = time.monotonic()
     with search_services(
-        model_dir=model_dir,
-        scheduler=None,
-        sandbox=None,
-        scheduler_policy="kv-aware",
-        max_model_len=args.max_model_len,
-        device=args.device,
-        engine_python=args.engine_python,
-        sandbox_executors=args.sandbox_executors,
-        sandbox_preload="numpy,sympy",
-        log_dir=str(args.run_dir / "logs"),
-        progress=True,
-        engines=args.engines,
-        command="search-bench",
+        model_dir, config.services, command="search-bench", progress=True
     ) as services:
-        report = asyncio.run(
-            run_parts(
-                args,
-                problems,
-                settings,
-                services.scheduler,
-                services.sandbox,
-                services.engine_urls,
-                tokenizer.encode,
-                ppm,
-            )
-        )
+        where = services.endpoints(tokenizer.encode, config.search, ppm)
+        report = asyncio.run(run_parts(args, problems, settings, where, services.engine_urls))
     took = (time.monotonic() - started) / 60
     print(f"\nin all {took:.1f} min ({args.engines} engines on {args.device})")
     report["args"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from kubestar.api import trainer_contract
 from kubestar.api.conditions import ConditionType, Phase, Reason
-from kubestar.cli.train import _exit_final
 from kubestar.operator import build_trainer
 from kubestar.operator import trainingrun as tr
 from kubestar.operator.settings import OperatorSettings
 from kubestar.training.checkpoint import CheckpointVolumeFull
+from kubestar.training.entrypoints import exit_final
 
 from tests.operator.test_builders import containers, tiny_run
 
@@ -63,7 +63,7 @@ def test_the_trainers_words_reach_trainer_ready(tmp_path: Path) -> None:
     """What `kubestar train --in-cluster` writes as it exits is what TrainerReady says."""
     log = tmp_path / "termination-log"
     with pytest.raises(SystemExit) as exited:
-        _exit_final(CheckpointVolumeFull(MESSAGE), str(log))
+        exit_final(CheckpointVolumeFull(MESSAGE), str(log))
     assert exited.value.code == trainer_contract.EXIT_FINAL_FAILURE
     assert log.read_text() == f"CheckpointVolumeFull: {MESSAGE}\n"
     assert CheckpointVolumeFull.reason == Reason.CHECKPOINT_VOLUME_FULL

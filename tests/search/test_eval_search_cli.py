@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from kubestar.cli.eval import run_search_sweep, write_sweep_trees
+from kubestar.search.entrypoints import SolverEndpoints, run_search_sweep, write_sweep_trees
 from kubestar.search.scorer import PpmSource
 from kubestar.search.sweep import SweepSettings, format_table
 from kubestar.search.tree import SearchSettings
@@ -63,17 +63,10 @@ async def test_sweep_against_the_services_writes_points_and_trees(tmp_path: Path
     )
     sandbox = FakeSandbox()
     async with scheduler() as (client, fakes), sandbox_server(sandbox) as sandbox_address:
-        points = await run_search_sweep(
-            problems=problems,
-            settings=settings,
-            scheduler=client.endpoint,
-            sandbox=sandbox_address,
-            encode=encode,
-            format_name="rstar",
-            ppm=PpmSource(),
-            tool_timeout=5.0,
-            progress=False,
+        where = SolverEndpoints(
+            client.endpoint, sandbox_address, encode, "rstar", PpmSource(), tool_timeout=5.0
         )
+        points = await run_search_sweep(problems, settings, where, progress=False)
     assert [(p.mode, p.budget) for p in points] == [("greedy", 0), ("majority", 1), ("majority", 3)]
     for point in points:
         figures = point.figures()

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kubestar.api.errors import SettingError
 from kubestar.search.data import sft_traces
 from kubestar.search.evolve import (
     LINEAGE,
@@ -23,7 +24,6 @@ from kubestar.search.evolve import (
     Round,
     RoundError,
     RoundSettings,
-    SettingError,
     SftSettings,
     load_round_problems,
     read_sft_examples,

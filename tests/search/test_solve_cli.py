@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from kubestar.cli.solve import run_solve
+from kubestar.search.entrypoints import SolverEndpoints, run_solve
 from kubestar.search.scorer import PpmSource
 from kubestar.search.solve import GREEDY, MAJORITY, SolveSettings, summary, write_trees
 from kubestar.search.tree import SearchSettings
@@ -68,14 +68,9 @@ async def test_run_against_the_services_writes_trees(tmp_path: Path) -> None:
         results = {}
         for mode, samples in ((GREEDY, 1), (MAJORITY, 3)):
             results[mode] = await run_solve(
-                problems=problems,
-                settings=SolveSettings(mode, search=SearchSettings(), samples=samples),
-                scheduler=endpoint,
-                sandbox=sandbox_address,
-                encode=encode,
-                format_name="rstar",
-                ppm=PpmSource(),
-                tool_timeout=5.0,
+                problems,
+                SolveSettings(mode, search=SearchSettings(), samples=samples),
+                SolverEndpoints(endpoint, sandbox_address, encode, "rstar", PpmSource(), 5.0),
                 progress=False,
             )
     for mode in (GREEDY, MAJORITY):

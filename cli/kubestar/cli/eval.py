@@ -11,28 +11,21 @@ budget of --budgets on the same problems (`kubestar.search.sweep`), on the sched
 the sandbox as `kubestar solve` runs them (its options and service startup), and prints
 accuracy with a 95% bootstrap interval against the tokens generated per problem; --plot
 draws it as a PNG.
+
+The flags become one settings object the library runs: `kubestar.training.entrypoints.
+AgentEvalConfig` (`evaluate`), or with --search `kubestar.search.entrypoints.
+SearchEvalConfig` (`evaluate_search`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import sys
-import tempfile
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import click
 from click.core import ParameterSource
-from kubestar.cli.options import local_services_options
-from kubestar.cli.solve import SolvedTally, search_options, search_services, solver_stack
-from kubestar.search.scorer import PpmSource
+from kubestar.cli.options import library_errors, local_service_settings, local_services_options
+from kubestar.cli.solve import search_config, search_options
 from kubestar.search.solve import BEAM, GREEDY, MCTS_MODE, MODES, SCORED_MODES
-
-if TYPE_CHECKING:
-    from kubestar.search.ppm_data import Encode
-    from kubestar.search.sweep import SweepPoint, SweepSettings
-    from kubestar.training.datasets import Problem
 
 # The agent loop's own flags: --search refuses them.
 AGENT_LOOP_FLAGS = ("engine_url", "samples", "max_turns", "max_response_tokens", "request_timeout")
@@ -182,173 +175,72 @@ def evaluate(
     """Evaluate a model on problems with the agent loop: accuracy, answered rate, tool
     calls and errors, response lengths. With --search: accuracy against generated tokens
     of test-time search and its baselines, per mode and budget."""
-    from kubestar.training.datasets import load_problems
-
     modes = _search_modes(search_modes)
     _check_flags(modes)
-    settings: SweepSettings | None = None
     if modes:
-        from kubestar.search.adapters import StepSampling
-        from kubestar.search.sweep import SweepSettings
-        from kubestar.search.tree import SearchSettings
-
         _check_ppm(modes, ppm or "", ppm_endpoint)
         budget_list = _budgets(budgets)
         if not model:
             raise click.UsageError(
                 "--search needs --model: the policy (with --scheduler, its tokenizer)"
             )
+        from kubestar.search.entrypoints import SearchEvalConfig, evaluate_search
+
         try:
-            settings = SweepSettings(
+            sweep = SearchEvalConfig(
                 modes=modes,
+                problems=problems_spec,
+                model=model,
                 budgets=budget_list,
-                search=SearchSettings(
-                    c=exploration,
-                    children=children,
-                    max_depth=max_depth,
-                    max_code_errors=max_code_errors,
-                    top_k=top_k,
-                    beam_samples=beam_samples,
-                ),
-                sampling=StepSampling(
+                limit=limit,
+                seed=seed,
+                search=search_config(
                     temperature=0.7 if temperature is None else temperature,
                     top_p=0.95 if top_p is None else top_p,
-                    max_step_tokens=max_step_tokens,
-                    seed=sampling_seed,
                 ),
-                concurrency=concurrency,
-                max_context=max_context or (0 if scheduler else max_model_len or 4096),
-                affinity=not no_affinity,
+                scheduler=scheduler or "",
+                sandbox=sandbox or "",
+                services=local_service_settings(max_model_len=max_model_len or 4096),
+                plot=plot or "",
+                output=output or "",
+                progress=not no_progress,
             )
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--budgets") from exc
-
-    if not modes and not engine_url and not model:
-        raise click.UsageError("give --model PATH (a local engine is started) or --engine URL")
-    model_dir: Path | None = None
-    if model:
-        from kubestar.engine.models import resolve_model
-
-        try:
-            model_dir = resolve_model(model)
-        except (FileNotFoundError, RuntimeError, ImportError) as exc:
-            raise click.UsageError(str(exc)) from exc
-    try:
-        problems = load_problems(problems_spec, limit=limit, seed=seed)
-    except (ValueError, FileNotFoundError) as exc:
-        raise click.UsageError(str(exc)) from exc
-    if not problems:
-        raise click.UsageError(f"{problems_spec}: no problems")
-    if settings is not None:
-        assert model_dir is not None
-        _evaluate_search(
-            settings=settings,
-            problems=problems,
-            problems_spec=problems_spec,
-            model_dir=model_dir,
-            format_name=format_name,
-            ppm=ppm or "",
-            ppm_endpoint=ppm_endpoint,
-            ppm_device=ppm_device,
-            tool_timeout=tool_timeout,
-            scheduler=scheduler,
-            sandbox=sandbox,
-            scheduler_policy=scheduler_policy,
-            max_model_len=max_model_len or 4096,
-            device=device,
-            engine_python=engine_python,
-            sandbox_executors=sandbox_executors,
-            sandbox_preload=sandbox_preload,
-            log_dir=log_dir,
-            plot=plot,
-            output=output,
-            as_json=as_json,
-            progress=not no_progress,
-        )
+        with library_errors():
+            outcome = evaluate_search(sweep)
+        click.echo(json.dumps(outcome.figures(), indent=2) if as_json else outcome.text())
         return
-    temperature = 0.0 if temperature is None else temperature
-    top_p = 1.0 if top_p is None else top_p
+    if not engine_url and not model:
+        raise click.UsageError("give --model PATH (a local engine is started) or --engine URL")
+    from kubestar.training.entrypoints import AgentEvalConfig
+    from kubestar.training.entrypoints import evaluate as run
+    from kubestar.training.evaluation import TokenizerNotFound, format_eval
 
-    from kubestar.common.net import free_port
-    from kubestar.engine.launch import EngineSettings
-    from kubestar.training.evaluation import (
-        TokenizerNotFound,
-        eval_metrics,
-        format_eval,
-        run_rollouts,
-        write_trajectories,
+    config = AgentEvalConfig(
+        problems=problems_spec,
+        model=model,
+        limit=limit,
+        seed=seed,
+        samples=samples,
+        max_turns=max_turns,
+        max_response_tokens=max_response_tokens,
+        temperature=0.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        sampling_seed=sampling_seed,
+        tool_timeout=tool_timeout,
+        request_timeout=request_timeout,
+        engine=engine_url or "",
+        sandbox=sandbox or "",
+        services=local_service_settings(max_model_len=max_model_len or max_response_tokens + 1024),
+        output=output or "",
+        progress=not no_progress,
     )
-    from kubestar.training.local import LocalSandbox, LocalStack, ServiceFailed
-
-    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="kubestar-eval-"))
-    local_engines: list[EngineSettings] = []
-    if not engine_url:
-        assert model_dir is not None
-        local_engines.append(
-            EngineSettings(
-                model=str(model_dir),
-                port=free_port(),
-                max_model_len=max_model_len or max_response_tokens + 1024,
-                device=device,
-                python=engine_python,
-            )
-        )
-    local_sandbox = None
-    if not sandbox:
-        preload = tuple(name for name in sandbox_preload.split(",") if name)
-        local_sandbox = LocalSandbox(sandbox_executors, preload, log_level="warning")
-    # A GPU engine may take long to load a big model.
-    stack = LocalStack(
-        logs,
-        sandbox=local_sandbox,
-        engines=local_engines,
-        engine_timeout=900.0,
-        sandbox_timeout=300.0,
-    )
-    if not no_progress:
-        for engine in local_engines:
-            click.echo(f"starting a vLLM engine on {model_dir} ({engine.url})", err=True)
-        if local_sandbox is not None:
-            click.echo(f"starting a sandbox server (logs in {logs})", err=True)
     try:
-        with stack.running() as started:
-            url = engine_url or stack.engines[0].url
-            sandbox_endpoint = sandbox or started.sandbox
-            stats, trajectories = asyncio.run(
-                run_rollouts(
-                    engine_url=url,
-                    scheduler=None,
-                    sandbox=sandbox_endpoint,
-                    problems=problems,
-                    samples=samples,
-                    max_turns=max_turns,
-                    max_response_tokens=max_response_tokens,
-                    max_context=0,
-                    model=str(model_dir) if model_dir else "",
-                    temperature=temperature,
-                    top_p=top_p,
-                    top_k=0,
-                    sampling_seed=sampling_seed,
-                    tool_timeout=tool_timeout,
-                    concurrency=1024,
-                    sandbox_mode="stream",
-                    request_timeout=request_timeout,
-                    verify_workers=2,
-                    progress=not no_progress,
-                )
-            )
-    except ServiceFailed as exc:
-        raise click.ClickException(str(exc)) from exc
+        with library_errors():
+            metrics = run(config)
     except TokenizerNotFound as exc:
         raise click.UsageError(str(exc)) from exc
-    metrics = eval_metrics(stats, trajectories)
-    metrics["model"] = str(model_dir) if model_dir else ""
-    metrics["engine"] = url
-    metrics["sandbox"] = sandbox_endpoint
-    metrics["problems_source"] = problems_spec
-    metrics["temperature"] = temperature
-    if output:
-        write_trajectories(output, trajectories)
     if as_json:
         click.echo(json.dumps(metrics, indent=2))
     else:
@@ -437,154 +329,3 @@ def _check_ppm(modes: tuple[str, ...], ppm: str, ppm_endpoint: str) -> None:
             "preference model: give --ppm FOLDER or --ppm-endpoint HOST:PORT",
             param_hint="--ppm",
         )
-
-
-def _evaluate_search(
-    *,
-    settings: SweepSettings,
-    problems: list[Problem],
-    problems_spec: str,
-    model_dir: Path,
-    format_name: str,
-    ppm: str,
-    ppm_endpoint: str,
-    ppm_device: str,
-    tool_timeout: float,
-    scheduler: str | None,
-    sandbox: str | None,
-    scheduler_policy: str,
-    max_model_len: int,
-    device: str,
-    engine_python: str,
-    sandbox_executors: int,
-    sandbox_preload: str,
-    log_dir: str,
-    plot: str | None,
-    output: str | None,
-    as_json: bool,
-    progress: bool,
-) -> None:
-    """--search: the sweep on the services (started as `kubestar solve` starts them), then
-    the table, the PNG and the trees."""
-    from kubestar.engine.models import tokenizer_sha256
-    from kubestar.search.sweep import format_table, plot_sweep
-    from kubestar.training.chat import ChatTokenizer
-
-    tokenizer = ChatTokenizer.from_model(model_dir)
-    source = PpmSource(ppm, ppm_endpoint, ppm_device, tokenizer_sha256(model_dir))
-    with search_services(
-        model_dir=model_dir,
-        scheduler=scheduler,
-        sandbox=sandbox,
-        scheduler_policy=scheduler_policy,
-        max_model_len=max_model_len,
-        device=device,
-        engine_python=engine_python,
-        sandbox_executors=sandbox_executors,
-        sandbox_preload=sandbox_preload,
-        log_dir=log_dir,
-        progress=progress,
-        command="eval",
-    ) as services:
-        points = asyncio.run(
-            run_search_sweep(
-                problems=problems,
-                settings=settings,
-                scheduler=services.scheduler,
-                sandbox=services.sandbox,
-                encode=tokenizer.encode,
-                format_name=format_name,
-                ppm=source,
-                tool_timeout=tool_timeout,
-                progress=progress,
-            )
-        )
-    drawn = False
-    if plot:
-        title = f"{problems_spec} ({len(problems)} problems): accuracy against generated tokens"
-        try:
-            drawn = plot_sweep(points, plot, title=title)
-        except ImportError as exc:
-            raise click.ClickException(
-                f"--plot needs matplotlib (pip install 'kubestar[training]'): {exc}"
-            ) from exc
-    if output:
-        write_sweep_trees(output, points)
-    if as_json:
-        figures: dict[str, Any] = {
-            "model": str(model_dir),
-            "problems_source": problems_spec,
-            "problems": len(problems),
-            "points": [point.figures() for point in points],
-        }
-        if drawn:
-            figures["plot"] = plot
-        if output:
-            figures["output"] = output
-        click.echo(json.dumps(figures, indent=2))
-        return
-    click.echo(f"{problems_spec}: {len(problems)} problems, 95% bootstrap intervals over them")
-    click.echo(format_table(points))
-    if drawn:
-        click.echo(f"plot: {plot}")
-
-
-async def run_search_sweep(
-    *,
-    problems: list[Problem],
-    settings: SweepSettings,
-    scheduler: str,
-    sandbox: str,
-    encode: Encode,
-    format_name: str,
-    ppm: PpmSource,
-    tool_timeout: float,
-    progress: bool,
-) -> list[SweepPoint]:
-    """The sweep against running services, with a progress bar over every problem of every
-    point (the point running, its accuracy and tokens per problem so far)."""
-    from kubestar.search.solve import Solved
-    from kubestar.search.sweep import sweep
-    from tqdm import tqdm
-
-    bar = tqdm(
-        total=len(settings.points()) * len(problems),
-        unit="problem",
-        disable=not progress,
-        file=sys.stderr,
-        dynamic_ncols=True,
-    )
-    # A tally per point: the rollout budgets of one MCTS search end together, problem by
-    # problem, so their outcomes come interleaved.
-    tallies: dict[tuple[str, int], SolvedTally] = {}
-
-    def done(mode: str, budget: int, solved: Solved) -> None:
-        tally = tallies.get((mode, budget))
-        if tally is None:
-            tally = tallies[(mode, budget)] = SolvedTally(bar)
-        bar.set_description(f"{mode} {budget}" if budget else mode, refresh=False)
-        tally(solved)
-
-    try:
-        async with solver_stack(
-            scheduler=scheduler,
-            sandbox=sandbox,
-            encode=encode,
-            format_name=format_name,
-            ppm=ppm,
-            tool_timeout=tool_timeout,
-        ) as stack:
-            return await sweep(problems, settings, stack, on_done=done)
-    finally:
-        bar.close()
-
-
-def write_sweep_trees(path: str | Path, points: list[SweepPoint]) -> Path:
-    """One JSON line per point and problem: `kubestar solve --output`'s record with the
-    point's `budget`."""
-    target = Path(path)
-    with target.open("w") as out:
-        for point in points:
-            for solved in point.solved:
-                out.write(json.dumps({**solved.record(), "budget": point.budget}) + "\n")
-    return target

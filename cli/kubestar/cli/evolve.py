@@ -7,33 +7,21 @@ Each policy is served by a vLLM engine with a scheduler in front, started as loc
 on 127.0.0.1 (as `kubestar solve` starts them) and stopped before training: on a GPU the
 engine and the trainer would not fit side by side. The sandbox is one of those processes
 too, or a running one (--sandbox).
+
+The flags become one `kubestar.search.entrypoints.EvolveConfig` (the round's
+`RoundSettings` and how its services start), which `kubestar.search.entrypoints.evolve`
+runs.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
-from kubestar.cli.options import local_services_options
-from kubestar.cli.solve import (
-    run_solve,
-    search_services,
-    search_step_options,
-    step_sampling_options,
-)
-from kubestar.search.scorer import PpmSource
-
-if TYPE_CHECKING:
-    from kubestar.search.evolve import SolveFunction
-    from kubestar.search.solve import Solved, SolveSettings
-    from kubestar.training.datasets import Problem
+from kubestar.cli.options import library_errors, local_service_settings, local_services_options
+from kubestar.cli.solve import search_config, search_step_options, step_sampling_options
 
 STAGE_NAMES = ("search", "data", "sft", "ppm", "evaluate")
 # The flag of each setting a SettingError can name.
@@ -47,74 +35,6 @@ FLAGS = {
     "evaluation.problems": "--eval-problems",
     "evaluation.mode": "--eval-mode",
 }
-
-
-@dataclass
-class LocalServices:
-    """`kubestar.search.evolve.Services` as local processes: for each policy a vLLM engine,
-    a scheduler and (without --sandbox) a sandbox server, stopped when the block ends; the
-    PPM is served in this process while a search needs it. Each start logs to a folder of
-    its own under `log_dir`."""
-
-    format_name: str
-    sandbox: str | None
-    scheduler_policy: str
-    max_model_len: int
-    device: str
-    engine_python: str
-    sandbox_executors: int
-    sandbox_preload: str
-    log_dir: Path
-    tool_timeout: float
-    ppm_device: str
-    progress: bool
-    starts: int = 0
-
-    @contextmanager
-    def serving(self, policy: Path) -> Iterator[SolveFunction]:
-        from kubestar.engine.models import tokenizer_sha256
-        from kubestar.training.chat import ChatTokenizer
-
-        encode = ChatTokenizer.from_model(policy).encode
-        tokenizer = tokenizer_sha256(policy)
-        self.starts += 1
-        with search_services(
-            model_dir=policy,
-            scheduler=None,
-            sandbox=self.sandbox,
-            scheduler_policy=self.scheduler_policy,
-            max_model_len=self.max_model_len,
-            device=self.device,
-            engine_python=self.engine_python,
-            sandbox_executors=self.sandbox_executors,
-            sandbox_preload=self.sandbox_preload,
-            log_dir=str(self.log_dir / f"{self.starts}-{policy.name}"),
-            progress=self.progress,
-            command="evolve",
-        ) as services:
-
-            def solve(
-                problems: Sequence[Problem],
-                settings: SolveSettings,
-                ppm: str,
-                on_done: Callable[[Solved], None] | None = None,
-            ) -> list[Solved]:
-                return asyncio.run(
-                    run_solve(
-                        problems=list(problems),
-                        settings=settings,
-                        scheduler=services.scheduler,
-                        sandbox=services.sandbox,
-                        encode=encode,
-                        format_name=self.format_name,
-                        ppm=PpmSource(ppm, "", self.ppm_device, tokenizer),
-                        tool_timeout=self.tool_timeout,
-                        progress=self.progress,
-                        on_done=on_done,
-                    )
-                )
-
-            yield solve
 
 
 def format_round(manifest: dict[str, Any]) -> str:
@@ -312,40 +232,22 @@ def evolve(
 ) -> None:
     """One round of self-evolution: search with ground-truth values, SFT traces and PPM
     pairs, SFT of the policy, PPM training, evaluation; a rerun resumes the round."""
-    from kubestar.search.adapters import StepSampling
-    from kubestar.search.evolve import (
-        EvalSettings,
-        PpmSettings,
-        Round,
-        RoundSettings,
-        SettingError,
-        SftSettings,
-    )
-    from kubestar.search.tree import SearchSettings
+    from kubestar.search.entrypoints import EvolveConfig
+    from kubestar.search.entrypoints import evolve as run
+    from kubestar.search.evolve import EvalSettings, PpmSettings, RoundSettings, SftSettings
 
-    try:
+    search = search_config()
+    with library_errors(FLAGS.get):
         settings = RoundSettings(
             policy=policy,
             problems=problems_spec,
             out=out,
             limit=limit,
             seed=seed,
-            step_format=format_name,
-            search=SearchSettings(
-                c=exploration,
-                children=children,
-                rollouts=rollouts,
-                max_depth=max_depth,
-                max_code_errors=max_code_errors,
-                sft_traces=sft_traces,
-            ),
-            sampling=StepSampling(
-                temperature=temperature,
-                top_p=top_p,
-                max_step_tokens=max_step_tokens,
-                seed=sampling_seed,
-            ),
-            concurrency=concurrency,
+            step_format=search.step_format,
+            search=search.tree(rollouts=rollouts, sft_traces=sft_traces),
+            sampling=search.sampling(),
+            concurrency=search.concurrency,
             max_context=max_model_len,
             sft=SftSettings(
                 base=sft_base,
@@ -374,28 +276,15 @@ def evolve(
             ),
             device=train_device,
         )
-        services = LocalServices(
-            format_name=format_name,
-            sandbox=sandbox,
-            scheduler_policy=scheduler_policy,
-            max_model_len=max_model_len,
-            device=device,
-            engine_python=engine_python,
-            sandbox_executors=sandbox_executors,
-            sandbox_preload=sandbox_preload,
-            log_dir=Path(log_dir) if log_dir else Path(out) / "logs",
-            tool_timeout=tool_timeout,
-            ppm_device=train_device,
+        config = EvolveConfig(
+            round=settings,
+            search=search,
+            sandbox=sandbox or "",
+            services=local_service_settings(),
+            until=until,
             progress=not no_progress,
         )
-
-        def progress(line: str) -> None:
-            if not no_progress:
-                click.echo(f"evolve {line}", err=True)
-
-        manifest = Round(settings, services, progress).run(until=until)
-    except SettingError as error:
-        raise click.BadParameter(str(error), param_hint=FLAGS.get(error.setting)) from error
+        manifest = run(config)
     if as_json:
         json.dump(manifest, sys.stdout, indent=2)
         click.echo()

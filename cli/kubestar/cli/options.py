@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from kubestar.common.auth import ENV_TOKEN, ENV_TOKEN_FILE
+
+if TYPE_CHECKING:
+    from kubestar.training.local import LocalServiceSettings
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -65,3 +69,37 @@ def local_services_options(function: F) -> F:
     for option in reversed(options):
         function = option(function)
     return function
+
+
+def local_service_settings(**changes: Any) -> LocalServiceSettings:
+    """The running command's `local_services_options` (and its `--max-model-len`,
+    `--scheduler-policy` where it has them) as the library's settings; `changes` override."""
+    from dataclasses import fields
+
+    from kubestar.training.local import LocalServiceSettings
+
+    params = dict(click.get_current_context().params)
+    params["sandbox_preload"] = tuple(
+        name for name in params.get("sandbox_preload", "").split(",") if name
+    )
+    names = {field.name for field in fields(LocalServiceSettings)}
+    values = {name: value for name, value in params.items() if name in names}
+    return LocalServiceSettings(**{**values, **changes})
+
+
+@contextmanager
+def library_errors(flag: Callable[[str], str | None] | None = None) -> Iterator[None]:
+    """The library's errors in the block as the CLI's: a SettingError as a mistake naming
+    the flag `flag` gives for its setting (without `flag`, a usage error), a ServiceFailed (a
+    local service that did not come up) as an error ending with the service's log."""
+    from kubestar.api.errors import SettingError
+    from kubestar.training.local import ServiceFailed
+
+    try:
+        yield
+    except SettingError as error:
+        if flag is None:
+            raise click.UsageError(str(error)) from error
+        raise click.BadParameter(str(error), param_hint=flag(error.setting)) from error
+    except ServiceFailed as error:
+        raise click.ClickException(str(error)) from error

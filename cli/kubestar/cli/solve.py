@@ -11,24 +11,24 @@ and tree affinity are the scheduler's) and a sandbox server, as local processes 
 process (--ppm) or a running scoring service (--ppm-endpoint). It prints accuracy and the
 tokens generated per problem, and writes every tree as one JSON line per problem
 (--output).
+
+The flags become one `kubestar.search.entrypoints.SolveConfig`, which
+`kubestar.search.entrypoints.solve` runs; the search flags, shared with `kubestar eval
+--search` and `kubestar evolve`, are declared here (`search_options`) and read into a
+`SearchConfig` (`search_config`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import sys
-import tempfile
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from click.core import ParameterSource
-from kubestar.cli.options import local_services_options
-from kubestar.search.scorer import PpmSource, ppm_scorer
+from kubestar.cli.options import library_errors, local_service_settings, local_services_options
+from kubestar.search.entrypoints import FORMATS
 from kubestar.search.solve import (
     BEAM,
     BEST_OF_N,
@@ -40,130 +40,26 @@ from kubestar.search.solve import (
 )
 
 if TYPE_CHECKING:
-    from kubestar.search.ppm_data import Encode
-    from kubestar.search.solve import Solved, SolverStack, SolveSettings
-    from kubestar.search.steps import StepFormat
-    from kubestar.training.datasets import Problem
+    from kubestar.search.entrypoints import SearchConfig
 
-FORMATS = ("tool-call", "rstar")
 F = TypeVar("F", bound=Callable[..., Any])
+# The search flags whose parameter is not named as their SearchConfig field.
+SEARCH_FIELDS = {"format_name": "step_format"}
 
 
-def step_format(name: str) -> StepFormat:
-    """The step format by its command-line name."""
-    from kubestar.search.steps import RStarFormat, ToolCallFormat
+def search_config(**changes: Any) -> SearchConfig:
+    """The running command's search flags (`search_step_options`, `step_sampling_options`,
+    `search_options`: those it has) as the library's SearchConfig; `changes` override."""
+    from kubestar.search.entrypoints import SearchConfig
 
-    return RStarFormat() if name == "rstar" else ToolCallFormat()
-
-
-@asynccontextmanager
-async def solver_stack(
-    *,
-    scheduler: str,
-    sandbox: str,
-    encode: Encode,
-    format_name: str,
-    ppm: PpmSource,
-    tool_timeout: float,
-) -> AsyncIterator[SolverStack]:
-    """Clients of the running scheduler and sandbox, the judge and the PPM, as the stack
-    every Solver of a command shares; closed when the block ends."""
-    from kubestar.common.net import check_grpc_serving
-    from kubestar.sandbox.client import SandboxClient
-    from kubestar.scheduler.client import SchedulerClient
-    from kubestar.search.adapters import SandboxExecutor
-    from kubestar.search.solve import SolverStack
-    from kubestar.training.rewards import RewardScorer
-
-    await check_grpc_serving(scheduler, "--scheduler")
-    await check_grpc_serving(sandbox, "--sandbox")
-    judge = RewardScorer(workers=2)
-    sandbox_client = SandboxClient(sandbox, timeout=max(60.0, 10 * tool_timeout))
-    try:
-        async with (
-            SchedulerClient(scheduler, timeout=900.0) as scheduler_client,
-            ppm_scorer(ppm, encode) as scorer,
-        ):
-            yield SolverStack(
-                scheduler_client,
-                SandboxExecutor(sandbox_client, timeout_seconds=tool_timeout),
-                step_format(format_name),
-                encode,
-                judge.score,
-                scorer,
-            )
-    finally:
-        judge.close()
-        await sandbox_client.aclose()
-        sandbox_client.close()
-
-
-class SolvedTally:
-    """A progress bar's postfix over the problems solved so far: accuracy and generated
-    tokens per problem (`reset` starts a new count, e.g. for a sweep's next point)."""
-
-    def __init__(self, bar: Any) -> None:
-        self.bar = bar
-        self.reset()
-
-    def reset(self) -> None:
-        self.done = self.correct = self.tokens = 0
-
-    def __call__(self, solved: Solved) -> None:
-        self.done += 1
-        self.correct += solved.correct
-        self.tokens += solved.generated_tokens
-        self.bar.set_postfix(
-            acc=f"{self.correct / self.done:.3f}",
-            tok=f"{self.tokens / self.done:.0f}",
-            refresh=False,
-        )
-        self.bar.update(1)
-
-
-async def run_solve(
-    *,
-    problems: list[Problem],
-    settings: SolveSettings,
-    scheduler: str,
-    sandbox: str,
-    encode: Encode,
-    format_name: str,
-    ppm: PpmSource,
-    tool_timeout: float,
-    progress: bool,
-    on_done: Callable[[Solved], None] | None = None,
-) -> list[Solved]:
-    """Solve every problem against the services (see the module docstring); `on_done`
-    receives each outcome as soon as it is found."""
-    from tqdm import tqdm
-
-    bar = tqdm(
-        total=len(problems),
-        unit="problem",
-        disable=not progress,
-        file=sys.stderr,
-        dynamic_ncols=True,
-    )
-    tally = SolvedTally(bar)
-
-    def done(solved: Solved) -> None:
-        tally(solved)
-        if on_done is not None:
-            on_done(solved)
-
-    try:
-        async with solver_stack(
-            scheduler=scheduler,
-            sandbox=sandbox,
-            encode=encode,
-            format_name=format_name,
-            ppm=ppm,
-            tool_timeout=tool_timeout,
-        ) as stack:
-            return await stack.solver(settings).solve_all(problems, on_done=done)
-    finally:
-        bar.close()
+    params = click.get_current_context().params
+    values = {SEARCH_FIELDS.get(name, name): value for name, value in params.items()}
+    if "no_affinity" in params:
+        values["affinity"] = not params["no_affinity"]
+    values["ppm"] = values.get("ppm") or ""
+    names = {field.name for field in fields(SearchConfig)}
+    given = {name: value for name, value in values.items() if name in names}
+    return SearchConfig(**{**given, **changes})
 
 
 # The budget flags and the modes that spend them; another mode refuses them when given.
@@ -338,86 +234,6 @@ def search_options(function: F) -> F:
     return search_step_options(function)
 
 
-@dataclass(frozen=True)
-class SearchServices:
-    """Where a search's services are: the scheduler and the sandbox, and the URLs of the
-    engines the command started (none when it was given a running scheduler)."""
-
-    scheduler: str
-    sandbox: str
-    engine_urls: tuple[str, ...] = ()
-
-
-@contextmanager
-def search_services(
-    *,
-    model_dir: Path,
-    scheduler: str | None,
-    sandbox: str | None,
-    scheduler_policy: str,
-    max_model_len: int,
-    device: str,
-    engine_python: str,
-    sandbox_executors: int,
-    sandbox_preload: str,
-    log_dir: str,
-    progress: bool,
-    engines: int = 1,
-    command: str = "solve",
-) -> Iterator[SearchServices]:
-    """The services given, and the others started as local processes on 127.0.0.1 for as
-    long as the block runs: without a scheduler, `engines` vLLM engines on `model_dir` (on a
-    GPU they share it, each taking its part of the memory) with a scheduler in front;
-    without a sandbox, a sandbox server. A service that does not come up is a
-    ClickException ending with its log."""
-    from kubestar.common.net import free_port
-    from kubestar.engine.launch import EngineSettings
-    from kubestar.training.local import LocalSandbox, LocalScheduler, LocalStack, ServiceFailed
-
-    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"kubestar-{command}-"))
-    local_engines = []
-    if not scheduler:
-        local_engines = [
-            EngineSettings(
-                model=str(model_dir),
-                port=free_port(),
-                max_model_len=max_model_len,
-                device=device,
-                python=engine_python,
-                gpu_memory_utilization=round(0.9 / engines, 2),
-            )
-            for _ in range(engines)
-        ]
-    local_sandbox = None
-    if not sandbox:
-        preload = tuple(name for name in sandbox_preload.split(",") if name)
-        local_sandbox = LocalSandbox(sandbox_executors, preload, log_level="warning")
-    stack = LocalStack(
-        logs,
-        sandbox=local_sandbox,
-        engines=local_engines,
-        scheduler=LocalScheduler(scheduler_policy, poll_interval=0.2, segment_tokens=256)
-        if local_engines
-        else None,
-        engine_timeout=900.0,
-        sandbox_timeout=300.0,
-    )
-    if progress and (local_engines or local_sandbox):
-        click.echo(f"starting local services (logs in {logs})", err=True)
-    try:
-        try:
-            started = stack.start()
-        except ServiceFailed as exc:
-            raise click.ClickException(str(exc)) from exc
-        yield SearchServices(
-            scheduler=scheduler or started.scheduler,
-            sandbox=sandbox or started.sandbox,
-            engine_urls=tuple(engine.url for engine in stack.engines),
-        )
-    finally:
-        stack.stop()
-
-
 @click.command("solve")
 @click.option("--mode", type=click.Choice(MODES), required=True, help="Search or baseline.")
 @click.option(
@@ -522,82 +338,30 @@ def solve(
     ppm-vote): accuracy, tokens generated per problem, and the trees as JSONL."""
     _check_mode_flags(mode)
     _check_values(mode, ppm or "", ppm_endpoint, ground_truth)
-    from kubestar.engine.models import resolve_model, tokenizer_sha256
-    from kubestar.search.adapters import StepSampling
-    from kubestar.search.solve import SolveSettings, format_summary, summary, write_trees
-    from kubestar.search.tree import SearchSettings
-    from kubestar.training.chat import ChatTokenizer
-    from kubestar.training.datasets import load_problems
+    from kubestar.search.entrypoints import SolveConfig
+    from kubestar.search.entrypoints import solve as run
 
-    try:
-        model_dir = resolve_model(model)
-    except (FileNotFoundError, RuntimeError, ImportError) as exc:
-        raise click.BadParameter(str(exc), param_hint="--model") from exc
-    try:
-        problems = load_problems(problems_spec, limit=limit, seed=seed)
-    except (ValueError, FileNotFoundError) as exc:
-        raise click.BadParameter(str(exc), param_hint="--problems") from exc
-    if not problems:
-        raise click.BadParameter(f"{problems_spec}: no problems", param_hint="--problems")
-    settings = SolveSettings(
+    config = SolveConfig(
         mode=mode,
-        search=SearchSettings(
-            c=exploration,
-            children=children,
-            rollouts=rollouts,
-            max_depth=max_depth,
-            max_code_errors=max_code_errors,
-            top_k=top_k,
-            beam_width=beams,
-            beam_samples=beam_samples,
-        ),
-        sampling=StepSampling(
-            temperature=temperature,
-            top_p=top_p,
-            max_step_tokens=max_step_tokens,
-            seed=sampling_seed,
-        ),
+        problems=problems_spec,
+        limit=limit,
+        seed=seed,
+        model=model,
+        search=search_config(),
+        ground_truth=ground_truth,
+        rollouts=rollouts,
+        beams=beams,
         samples=samples,
         token_budget=token_budget,
-        ground_truth=ground_truth,
-        concurrency=concurrency,
-        max_context=max_context or (0 if scheduler else max_model_len),
-        affinity=not no_affinity,
-    )
-    tokenizer = ChatTokenizer.from_model(model_dir)
-    source = PpmSource(ppm or "", ppm_endpoint, ppm_device, tokenizer_sha256(model_dir))
-
-    with search_services(
-        model_dir=model_dir,
-        scheduler=scheduler,
-        sandbox=sandbox,
-        scheduler_policy=scheduler_policy,
-        max_model_len=max_model_len,
-        device=device,
-        engine_python=engine_python,
-        sandbox_executors=sandbox_executors,
-        sandbox_preload=sandbox_preload,
-        log_dir=log_dir,
+        scheduler=scheduler or "",
+        sandbox=sandbox or "",
+        services=local_service_settings(),
+        output=output or "",
         progress=not no_progress,
-    ) as services:
-        solved = asyncio.run(
-            run_solve(
-                problems=problems,
-                settings=settings,
-                scheduler=services.scheduler,
-                sandbox=services.sandbox,
-                encode=tokenizer.encode,
-                format_name=format_name,
-                ppm=source,
-                tool_timeout=tool_timeout,
-                progress=not no_progress,
-            )
-        )
-    figures: dict[str, Any] = {"mode": mode, **summary(solved)}
-    if output:
-        write_trees(output, solved)
-        figures["output"] = output
+    )
+    with library_errors(lambda setting: f"--{setting}"):
+        outcome = run(config)
     if as_json:
-        click.echo(json.dumps(figures, indent=2))
+        click.echo(json.dumps(outcome.figures(), indent=2))
     else:
-        click.echo(format_summary(mode, figures))
+        click.echo(outcome.text())

@@ -59,7 +59,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from kubestar.api.errors import KubestarError
+from kubestar.api.errors import KubestarError, SettingError
 from kubestar.engine.models import tokenizer_sha256
 from kubestar.search.adapters import StepSampling
 from kubestar.search.data import SftTrace, is_correct, ppm_pairs, sft_traces
@@ -126,15 +126,6 @@ Progress = Callable[[str], None]
 
 class RoundError(KubestarError, RuntimeError):
     """A stage cannot make its output; the message says why and what to change."""
-
-
-class SettingError(KubestarError, ValueError):
-    """A setting that cannot work; `setting` is its dotted name in `RoundSettings`
-    (`policy`, `sft.base`, ...), for the caller to name its own flag."""
-
-    def __init__(self, setting: str, message: str) -> None:
-        super().__init__(message)
-        self.setting = setting
 
 
 class Services(Protocol):

@@ -1,10 +1,17 @@
-"""kubestar's services as local processes: what `kubestar train -f` and `kubestar eval` start.
+"""kubestar's services as local processes: the one local stack of every command and benchmark.
 
-The same manifests a cluster takes (SandboxPool, RolloutFleet, TrainingRun) become
-(`LocalStack.for_run`): one sandbox server (`kubestar sandbox serve`, worker and dispatcher
-in one process), the fleet's vLLM engines (`kubestar.engine.launch`), and the rollout
-scheduler in front of them. `kubestar eval` starts only the engine and the sandbox it is not
-given. Everything binds to 127.0.0.1 on free ports and is stopped by PID when the run ends.
+Two factories make a `LocalStack`:
+
+* `LocalStack.for_run`: the same manifests a cluster takes (SandboxPool, RolloutFleet,
+  TrainingRun) become one sandbox server (`kubestar sandbox serve`, worker and dispatcher in
+  one process), the fleet's vLLM engines (`kubestar.engine.launch`), and the rollout
+  scheduler in front of them: what `kubestar train -f` and bench/learning.py start.
+* `LocalStack.for_command`: the services a command is not given, from its
+  `LocalServiceSettings` (the flags `--engine-python`, `--device`, `--sandbox-executors`,
+  `--sandbox-preload`, `--log-dir`): what `kubestar eval`, `kubestar solve`, `kubestar
+  evolve` and bench/search_bench.py start.
+
+Everything binds to 127.0.0.1 on free ports and is stopped by PID when the run ends.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +83,30 @@ class LocalScheduler:
         return args
 
 
+@dataclass(frozen=True)
+class LocalServiceSettings:
+    """How a command starts the services it is not given, as local processes on 127.0.0.1
+    (`LocalStack.for_command`); each field is the flag of the same name."""
+
+    # Python with vLLM for the local engines ("": KUBESTAR_ENGINE_PYTHON, else this one).
+    engine_python: str = ""
+    device: str = "cpu"  # of the local engines: cpu, cuda or rocm
+    sandbox_executors: int = 4  # executors of a local sandbox
+    sandbox_preload: tuple[str, ...] = ("numpy", "sympy")  # modules they import once
+    # The services' logs ("": a new temporary folder kubestar-COMMAND-*).
+    log_dir: str = ""
+    max_model_len: int = 4096  # context length of a local engine
+    # Local engines; on a GPU they share it, each taking its part of the memory.
+    engines: int = 1
+    scheduler_policy: str = "kv-aware"  # of a local scheduler
+
+    def logs(self, command: str) -> Path:
+        """`log_dir`, or a new temporary folder named after the command."""
+        if self.log_dir:
+            return Path(self.log_dir)
+        return Path(tempfile.mkdtemp(prefix=f"kubestar-{command}-"))
+
+
 class LocalStack:
     """A sandbox, engines and a scheduler (each optional) as processes of this machine; a
     context manager (`running`) that stops them all."""
@@ -113,10 +145,14 @@ class LocalStack:
         model_dir: Path,
         log_dir: Path,
         engine_python: str = "",
+        serving: bool = True,
     ) -> LocalStack:
-        """What a TrainingRun's SandboxPool and RolloutFleet describe, on CPU."""
+        """What a TrainingRun's SandboxPool and RolloutFleet describe, on CPU. `serving`
+        False: the sandbox alone (e.g. for an SFT, which needs no engine)."""
         pool_spec, fleet_spec = pool.spec, fleet.spec
         engine = fleet_spec.engine
+        if not serving:
+            return cls(log_dir, sandbox=cls.for_run(pool, fleet, model_dir, log_dir).sandbox)
         return cls(
             log_dir,
             sandbox=LocalSandbox(
@@ -144,6 +180,54 @@ class LocalStack:
                 segment_tokens=fleet_spec.scheduler.segment_tokens,
             ),
             weight_sync=fleet_spec.weight_sync,
+        )
+
+    @classmethod
+    def for_command(
+        cls,
+        settings: LocalServiceSettings,
+        model_dir: Path | None,
+        *,
+        command: str,
+        engines: bool = True,
+        scheduler: bool = True,
+        sandbox: bool = True,
+    ) -> LocalStack:
+        """The services a command starts because it was not given them: with `engines`,
+        `settings.engines` vLLM engines serving `model_dir` (on a GPU each takes its share
+        of the memory) and, with `scheduler` too, a rollout scheduler in front of them; with
+        `sandbox`, a sandbox server. A GPU engine may take long to load a big model: the
+        engines get 15 minutes to come up, the sandbox 5."""
+        local_engines: list[EngineSettings] = []
+        if engines:
+            if model_dir is None:
+                raise ValueError("a local engine needs a model")
+            local_engines = [
+                EngineSettings(
+                    model=str(model_dir),
+                    port=free_port(),
+                    max_model_len=settings.max_model_len,
+                    device=settings.device,
+                    python=settings.engine_python,
+                    gpu_memory_utilization=round(0.9 / settings.engines, 2),
+                )
+                for _ in range(settings.engines)
+            ]
+        return cls(
+            settings.logs(command),
+            sandbox=LocalSandbox(
+                settings.sandbox_executors, settings.sandbox_preload, log_level="warning"
+            )
+            if sandbox
+            else None,
+            engines=local_engines,
+            scheduler=LocalScheduler(
+                settings.scheduler_policy, poll_interval=0.2, segment_tokens=256
+            )
+            if scheduler and local_engines
+            else None,
+            engine_timeout=900.0,
+            sandbox_timeout=300.0,
         )
 
     def start(self, wait: bool = True) -> Endpoints:
