@@ -36,7 +36,7 @@ from kubestar.training.local import LocalServiceSettings, LocalStack
 
 if TYPE_CHECKING:
     from kubestar.api.trainer_contract import TrainerEnvironment
-    from kubestar.api.v1alpha1 import TrainingRun
+    from kubestar.api.v1alpha1 import RolloutFleet, SandboxPool, TrainingRun
     from kubestar.training.distributed import World
     from kubestar.training.stopping import FinalFailure
     from kubestar.training.workers import SearchEvaluator
@@ -186,25 +186,26 @@ def train(config: TrainConfig, search: SearchEvaluator | None = None) -> None:
     search of spec.evaluation.search (kubestar.search.evaluation.SearchEvaluation), which
     this layer cannot import. Raises ManifestError, RunRefused and ServiceFailed; exits with
     the trainer contract's codes when stopped or failed for good."""
-    manifest, run_dir, fresh = config.manifest, config.run_dir, config.fresh
-    engine_python, in_cluster, log_level = config.engine_python, config.in_cluster, config.log_level
-    logs.configure(log_level)
+    logs.configure(config.log_level)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    from kubestar.api.v1alpha1 import (
-        RolloutFleet,
-        SandboxPool,
-        TrainingRun,
-        load_manifests,
-    )
-    from kubestar.engine.models import resolve_model
-    from kubestar.training.distributed import World, local_ranks
-    from kubestar.training.local import LocalStack, ServiceFailed
-    from kubestar.training.progress import FileReporter
-    from kubestar.training.report import write_report
-    from kubestar.training.runlock import hold_run_folder
-    from kubestar.training.session import TrainingSession
-    from kubestar.training.stopping import EXIT_STOPPED, FinalFailure, StopRequest, TrainingStopped
-    from tqdm import tqdm
+    from kubestar.training.distributed import World
+
+    run, pool, fleet = load_run(config.manifest)
+    if config.in_cluster:
+        _train_in_cluster(run, Path(config.run_dir or "/var/run/kubestar"), search)
+        return
+    directory = Path(config.run_dir or Path("runs") / run.metadata.name)
+    world = World.from_env()
+    if world.rank > 0:  # a training rank started by rank 0 below: it follows rank 0's steps
+        _train_rank(run, directory, world)
+        return
+    _train_here(config, run, pool, fleet, directory, world, search)
+
+
+def load_run(manifest: str) -> tuple[TrainingRun, SandboxPool, RolloutFleet]:
+    """The manifest's one TrainingRun, and its SandboxPool and RolloutFleet (their defaults
+    where the file has none of that name)."""
+    from kubestar.api.v1alpha1 import RolloutFleet, SandboxPool, TrainingRun, load_manifests
 
     resources = load_manifests(manifest)
     runs = [r for r in resources if isinstance(r, TrainingRun)]
@@ -219,20 +220,34 @@ def train(config: TrainConfig, search: SearchEvaluator | None = None) -> None:
     fleet = fleets.get(run.spec.rollout_fleet_ref.name) or RolloutFleet(
         metadata={"name": run.spec.rollout_fleet_ref.name}
     )  # type: ignore[arg-type]
+    return run, pool, fleet
 
-    if in_cluster:
-        _train_in_cluster(run, Path(run_dir or "/var/run/kubestar"), search)
-        return
 
-    directory = Path(run_dir or Path("runs") / run.metadata.name)
-    world = World.from_env()
-    if world.rank > 0:  # a training rank started by rank 0 below: it follows rank 0's steps
-        _train_rank(run, directory, world)
-        return
+def _train_here(
+    config: TrainConfig,
+    run: TrainingRun,
+    pool: SandboxPool,
+    fleet: RolloutFleet,
+    directory: Path,
+    world: World,
+    search: SearchEvaluator | None,
+) -> None:
+    """Rank 0 of a run on this machine: its services as local processes, the other ranks
+    as this command again, progress on a bar, then the report."""
+    from kubestar.engine.models import resolve_model
+    from kubestar.training.distributed import local_ranks
+    from kubestar.training.local import ServiceFailed
+    from kubestar.training.progress import FileReporter
+    from kubestar.training.report import write_report
+    from kubestar.training.runlock import hold_run_folder
+    from kubestar.training.session import TrainingSession
+    from kubestar.training.stopping import EXIT_STOPPED, FinalFailure, StopRequest, TrainingStopped
+    from tqdm import tqdm
+
     directory.mkdir(parents=True, exist_ok=True)
     # A second `kubestar train` of the folder is refused.
     with hold_run_folder(directory):
-        if fresh:
+        if config.fresh:
             for entry in directory.iterdir():
                 if entry.is_dir():
                     shutil.rmtree(entry)
@@ -270,7 +285,7 @@ def train(config: TrainConfig, search: SearchEvaluator | None = None) -> None:
             bar.refresh()
 
         stack = LocalStack.for_run(
-            pool, fleet, model_dir, directory / "logs", engine_python=engine_python
+            pool, fleet, model_dir, directory / "logs", engine_python=config.engine_python
         )
         say(
             f"starting sandbox, {max(fleet.spec.replicas, 1)} engine(s) and the scheduler "
@@ -282,8 +297,8 @@ def train(config: TrainConfig, search: SearchEvaluator | None = None) -> None:
         processes = (
             1 if "WORLD_SIZE" in os.environ else trainer.workers * trainer.processes_per_worker
         )
-        rank_command = [sys.executable, "-m", "kubestar.cli.main", "train", "-f", manifest]
-        rank_command += ["--run-dir", str(directory), "--log-level", log_level]
+        rank_command = [sys.executable, "-m", "kubestar.cli.main", "train", "-f", config.manifest]
+        rank_command += ["--run-dir", str(directory), "--log-level", config.log_level]
         stop = StopRequest().install()
         # The services come up while the training processes load the model.
         with (
