@@ -25,8 +25,8 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from kubestar.api.v1alpha1 import RolloutFleet, SandboxPool
 from kubestar.common.net import free_port, wait_serving
 from kubestar.engine.launch import (
     EngineProcess,
@@ -36,6 +36,9 @@ from kubestar.engine.launch import (
     wait_engines_ready,
 )
 from kubestar.training.endpoints import Endpoints
+
+if TYPE_CHECKING:
+    from kubestar.api.v1alpha1 import RolloutFleet, SandboxPool
 
 
 class ServiceFailed(RuntimeError):
