@@ -25,7 +25,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kubestar.common.net import free_port, wait_serving
 from kubestar.engine.launch import (
@@ -84,6 +84,14 @@ class LocalScheduler:
         for index, url in enumerate(engine_urls):
             args += ["--engine", f"e{index}={url}"]
         return args
+
+
+def engines_serving(model_dir: Path, count: int, **settings: Any) -> list[EngineSettings]:
+    """`count` engines serving `model_dir` alike (`settings`: EngineSettings' other fields),
+    each on a free port of 127.0.0.1."""
+    return [
+        EngineSettings(model=str(model_dir), port=free_port(), **settings) for _ in range(count)
+    ]
 
 
 @dataclass(frozen=True)
@@ -154,29 +162,27 @@ class LocalStack:
         False: the sandbox alone (e.g. for an SFT, which needs no engine)."""
         pool_spec, fleet_spec = pool.spec, fleet.spec
         engine = fleet_spec.engine
+        sandbox = LocalSandbox(
+            executors=pool_spec.executors_per_pod * max(pool_spec.replicas, 1),
+            preload=tuple(pool_spec.preload),
+            queue_timeout_seconds=pool_spec.queue_timeout_seconds,
+            isolation=pool_spec.isolation != "Disabled",
+        )
         if not serving:
-            return cls(log_dir, sandbox=cls.for_run(pool, fleet, model_dir, log_dir).sandbox)
+            return cls(log_dir, sandbox=sandbox)
         return cls(
             log_dir,
-            sandbox=LocalSandbox(
-                executors=pool_spec.executors_per_pod * max(pool_spec.replicas, 1),
-                preload=tuple(pool_spec.preload),
-                queue_timeout_seconds=pool_spec.queue_timeout_seconds,
-                isolation=pool_spec.isolation != "Disabled",
+            sandbox=sandbox,
+            engines=engines_serving(
+                model_dir,
+                max(fleet_spec.replicas, 1),
+                max_model_len=engine.max_model_len,
+                kv_cache_bytes=engine.kv_cache_bytes,
+                max_num_seqs=engine.max_num_seqs,
+                device="cpu",
+                extra_args=list(engine.extra_args),
+                python=engine_python,
             ),
-            engines=[
-                EngineSettings(
-                    model=str(model_dir),
-                    port=free_port(),
-                    max_model_len=engine.max_model_len,
-                    kv_cache_bytes=engine.kv_cache_bytes,
-                    max_num_seqs=engine.max_num_seqs,
-                    device="cpu",
-                    extra_args=list(engine.extra_args),
-                    python=engine_python,
-                )
-                for _ in range(max(fleet_spec.replicas, 1))
-            ],
             scheduler=LocalScheduler(
                 policy=fleet_spec.scheduler.policy,
                 poll_interval=fleet_spec.scheduler.metrics_interval_seconds,
@@ -205,17 +211,14 @@ class LocalStack:
         if engines:
             if model_dir is None:
                 raise ValueError("a local engine needs a model")
-            local_engines = [
-                EngineSettings(
-                    model=str(model_dir),
-                    port=free_port(),
-                    max_model_len=settings.max_model_len,
-                    device=settings.device,
-                    python=settings.engine_python,
-                    gpu_memory_utilization=round(0.9 / settings.engines, 2),
-                )
-                for _ in range(settings.engines)
-            ]
+            local_engines = engines_serving(
+                model_dir,
+                settings.engines,
+                max_model_len=settings.max_model_len,
+                device=settings.device,
+                python=settings.engine_python,
+                gpu_memory_utilization=round(0.9 / settings.engines, 2),
+            )
         return cls(
             settings.logs(command),
             sandbox=LocalSandbox(
