@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 from click.core import ParameterSource
 from kubestar.cli.options import library_errors, local_service_settings, local_services_options
-from kubestar.search.entrypoints import FORMATS
 from kubestar.search.solve import (
     BEAM,
     BEST_OF_N,
@@ -38,6 +37,7 @@ from kubestar.search.solve import (
     PPM_VOTE,
     SCORED_MODES,
 )
+from kubestar.search.steps import FORMATS
 
 if TYPE_CHECKING:
     from kubestar.search.entrypoints import SearchConfig

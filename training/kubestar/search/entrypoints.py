@@ -37,6 +37,7 @@ from kubestar.api.errors import KubestarError
 from kubestar.search.adapters import StepSampling
 from kubestar.search.scorer import PpmSource, ppm_scorer
 from kubestar.search.solve import Solved, SolverStack, SolveSettings
+from kubestar.search.steps import step_format
 from kubestar.search.tree import SearchSettings
 from kubestar.training.datasets import Problem
 from kubestar.training.entrypoints import problem_set, resolve_policy
@@ -45,21 +46,11 @@ from kubestar.training.local import LocalServiceSettings, LocalStack
 if TYPE_CHECKING:
     from kubestar.search.evolve import RoundSettings, SolveFunction
     from kubestar.search.ppm_data import Encode
-    from kubestar.search.steps import StepFormat
     from kubestar.search.sweep import SweepPoint, SweepSettings
-
-FORMATS = ("tool-call", "rstar")
 
 
 class PlotUnavailable(KubestarError, ImportError):
     """A plot was asked for and matplotlib is not installed."""
-
-
-def step_format(name: str) -> StepFormat:
-    """The step format by its name (`--format`: tool-call or rstar)."""
-    from kubestar.search.steps import RStarFormat, ToolCallFormat
-
-    return RStarFormat() if name == "rstar" else ToolCallFormat()
 
 
 @dataclass(frozen=True)

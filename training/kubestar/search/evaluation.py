@@ -32,7 +32,7 @@ from kubestar.search.adapters import ExecuteBatch, Generate, SandboxExecutor, St
 from kubestar.search.ppm_data import Encode
 from kubestar.search.scorer import PpmSource, ppm_scorer
 from kubestar.search.solve import Judge, Solver, SolveSettings, summary
-from kubestar.search.steps import RStarFormat, StepFormat, ToolCallFormat
+from kubestar.search.steps import step_format
 from kubestar.search.tree import SearchSettings
 from kubestar.training.datasets import Problem
 
@@ -52,11 +52,6 @@ KEPT_FIGURES = (
 
 class PpmUnusable(KubestarError, ValueError):
     """spec.evaluation.search.ppm cannot serve this run's search; the message says why."""
-
-
-def step_format(name: str) -> StepFormat:
-    """The step format by its name in the spec (tool-call or rstar)."""
-    return RStarFormat() if name == "rstar" else ToolCallFormat()
 
 
 def check_ppm(spec: SearchEvaluationSpec, model_dir: Path) -> None:

@@ -147,3 +147,11 @@ class ToolCallFormat:
 
 
 _UNPARSABLE = ParsedStep(StepKind.UNPARSABLE)
+
+# The step formats by name (`kubestar solve --format`, spec.evaluation.search.format).
+FORMATS = ("tool-call", "rstar")
+
+
+def step_format(name: str) -> StepFormat:
+    """The step format by its name: rstar, else tool-call."""
+    return RStarFormat() if name == "rstar" else ToolCallFormat()
