@@ -294,42 +294,6 @@ async def test_weights_pushed_while_every_engine_is_away_reach_them_on_return(
     assert {r.weights_version for r in responses} == {4}
 
 
-async def test_a_restore_loads_only_into_a_scheduler_that_has_no_weights(
-    fakes: list[FakeEngine], make_scheduler: MakeScheduler
-) -> None:
-    # A restarted scheduler knows no weights: the operator's restore loads the fleet's last.
-    scheduler = await make_scheduler(fakes)
-    restored = await scheduler.update_weights("/weights/step-3", 3, restore=True)
-    assert (restored.version, sorted(restored.engines)) == (3, ["e0", "e1"])
-    assert [f.reloads for f in fakes] == [["/weights/step-3"]] * 2
-    # Once a trainer pushed newer weights, a late restore changes nothing.
-    await scheduler.update_weights("/weights/step-4", 4)
-    late = await scheduler.update_weights("/weights/step-3", 3, restore=True)
-    assert (late.version, list(late.engines)) == (4, [])
-    assert [f.reloads for f in fakes] == [["/weights/step-3", "/weights/step-4"]] * 2
-    assert (scheduler.status().weights_version, scheduler.status().weights_path) == (
-        4,
-        "/weights/step-4",
-    )
-
-
-async def test_a_restore_no_engine_can_load_takes_no_engine_out(
-    fakes: list[FakeEngine], make_scheduler: MakeScheduler
-) -> None:
-    # The folder of a finished run's weights may be gone: the engines are not at fault.
-    scheduler = await make_scheduler(fakes)
-    with pytest.raises(NoEngineAvailable, match="no such folder"):
-        await scheduler.update_weights("/weights/step-9-missing", 9, restore=True)
-    status = scheduler.status()
-    assert all(e.healthy for e in status.engines), status
-    assert (status.weights_version, status.weights_path) == (0, "")
-    assert {r.weights_version for r in await batch(scheduler, 4)} == {0}
-    # The same failure in a trainer's push takes the engines out (they may be broken).
-    with pytest.raises(NoEngineAvailable):
-        await scheduler.update_weights("/weights/step-9-missing", 9)
-    assert not any(e.healthy for e in scheduler.status().engines)
-
-
 async def test_an_engine_added_during_an_update_gets_the_new_weights(
     fakes: list[FakeEngine], make_scheduler: MakeScheduler
 ) -> None:

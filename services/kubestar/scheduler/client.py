@@ -93,12 +93,10 @@ class SchedulerClient(ServiceClient[pb_grpc.RolloutSchedulerServiceStub]):
         weights_path: str,
         version: int | None = None,
         timeout: float | None = None,
-        restore: bool = False,
     ) -> pb.UpdateWeightsResponse:
-        """Every engine loads the weights in `weights_path`; no `version` means "next";
-        `restore`: only if the scheduler has loaded none since it started."""
+        """Every engine loads the weights in `weights_path`; no `version` means "next"."""
         response: pb.UpdateWeightsResponse = await self.stub.UpdateWeights(
-            pb.UpdateWeightsRequest(weights_path=weights_path, version=version, restore=restore),
+            pb.UpdateWeightsRequest(weights_path=weights_path, version=version),
             timeout=timeout,
             metadata=self._metadata,
         )

@@ -513,14 +513,12 @@ class Scheduler:
     # ---- weights and status ----------------------------------------------------------------
 
     async def update_weights(
-        self, weights_path: str, version: int | None = None, restore: bool = False
+        self, weights_path: str, version: int | None = None
     ) -> pb.UpdateWeightsResponse:
         """Stop admitting, let turns in flight finish, reload every engine, resume."""
         if not weights_path:
             raise TurnRejected("weights_path is empty")
-        return await self._weights.update(
-            weights_path, version, self._engines, self._quiesced, restore
-        )
+        return await self._weights.update(weights_path, version, self._engines, self._quiesced)
 
     @contextlib.asynccontextmanager
     async def _quiesced(self) -> AsyncIterator[float]:

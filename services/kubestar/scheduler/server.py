@@ -129,9 +129,7 @@ class RolloutSchedulerServicer(pb_grpc.RolloutSchedulerServiceServicer):
     ) -> pb.UpdateWeightsResponse:
         try:
             version = request.version if request.HasField("version") else None
-            return await self.scheduler.update_weights(
-                request.weights_path, version, request.restore
-            )
+            return await self.scheduler.update_weights(request.weights_path, version)
         except SchedulerError as error:
             await self._abort(context, error)
             raise

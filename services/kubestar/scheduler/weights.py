@@ -11,8 +11,7 @@ same reason, so the trainer need not fail.
 
 A scheduler starts knowing no weights. The trainer owns them: before each rollout it asks
 which weights the scheduler serves and pushes its latest again when a restart lost them
-(kubestar.training.resilience.ensure_weights); engines that join afterwards load those. A
-*restore* loads only if nothing was loaded since the start (a push that came first is newer).
+(kubestar.training.resilience.ensure_weights); engines that join afterwards load those.
 """
 
 from __future__ import annotations
@@ -76,67 +75,58 @@ class WeightUpdates:
         version: int | None,
         engines: Fleet,
         quiesced: Callable[[], AbstractAsyncContextManager[float]],
-        restore: bool = False,
     ) -> pb.UpdateWeightsResponse:
         """Reload every engine that takes turns, inside `quiesced()` (no turn under way; it
-        yields the seconds it waited for the turns in flight). `restore`: only if no weights
-        were loaded since this scheduler started (see UpdateWeightsRequest.restore)."""
-        async with self.lock:
-            if restore and self.path:  # a push came first: newer than what is restored
-                return proto.weights_response(self.version, [], 0.0)
-            async with quiesced() as waited:
-                targets = engines.admitting()
-                new_version = self.version + 1 if version is None else version
-                if not targets:
-                    # Every engine is away (restarting, or out of the endpoints for a moment):
-                    # each one loads these weights when it comes back, before it takes a turn
-                    # (`load_current`), so the update is not lost and the trainer need not fail.
-                    self._record(new_version, weights_path)
-                    log.warning(
-                        "weights recorded with no engine up; engines load them on return",
-                        extra={"fields": {"version": new_version, "path": weights_path}},
-                    )
-                    return proto.weights_response(new_version, [], 0.0)
-                started = time.monotonic()
-                results = await self._load(targets, weights_path, new_version)
-                loaded: list[str] = []
-                failed: list[tuple[Engine, Exception]] = []
-                for engine, result in zip(targets, results, strict=True):
-                    if isinstance(result, BaseException):
-                        if not isinstance(result, Exception):
-                            raise result
-                        failed.append((engine, result))
-                    else:
-                        engine.state.weights_version = new_version
-                        loaded.append(engine.state.name)
-                seconds = time.monotonic() - started
-                # A restore that no engine could load blames the weights (their folder may be
-                # gone since), not the engines: they keep serving what they have.
-                if loaded or not restore:
-                    for engine, error in failed:
-                        engines.failed(engine, error)
-                errors = [f"{engine.state.name}: {error}" for engine, error in failed]
-                if not loaded:
-                    raise NoEngineAvailable(
-                        "loading the weights failed on every engine: " + "; ".join(errors)
-                    )
+        yields the seconds it waited for the turns in flight)."""
+        async with self.lock, quiesced() as waited:
+            targets = engines.admitting()
+            new_version = self.version + 1 if version is None else version
+            if not targets:
+                # Every engine is away (restarting, or out of the endpoints for a moment):
+                # each one loads these weights when it comes back, before it takes a turn
+                # (`load_current`), so the update is not lost and the trainer need not fail.
                 self._record(new_version, weights_path)
-                self.metrics.weights_reload_seconds.observe(seconds)
-                log.info(
-                    "weights updated",
-                    extra={
-                        "fields": {
-                            "version": new_version,
-                            "path": weights_path,
-                            "restore": restore,
-                            "engines": loaded,
-                            "failed": errors,
-                            "reload_seconds": round(seconds, 3),
-                            "waited_seconds": round(waited, 3),
-                        }
-                    },
+                log.warning(
+                    "weights recorded with no engine up; engines load them on return",
+                    extra={"fields": {"version": new_version, "path": weights_path}},
                 )
-                return proto.weights_response(new_version, loaded, seconds)
+                return proto.weights_response(new_version, [], 0.0)
+            started = time.monotonic()
+            results = await self._load(targets, weights_path, new_version)
+            loaded: list[str] = []
+            failed: list[tuple[Engine, Exception]] = []
+            for engine, result in zip(targets, results, strict=True):
+                if isinstance(result, BaseException):
+                    if not isinstance(result, Exception):
+                        raise result
+                    failed.append((engine, result))
+                else:
+                    engine.state.weights_version = new_version
+                    loaded.append(engine.state.name)
+            seconds = time.monotonic() - started
+            for engine, error in failed:
+                engines.failed(engine, error)
+            errors = [f"{engine.state.name}: {error}" for engine, error in failed]
+            if not loaded:
+                raise NoEngineAvailable(
+                    "loading the weights failed on every engine: " + "; ".join(errors)
+                )
+            self._record(new_version, weights_path)
+            self.metrics.weights_reload_seconds.observe(seconds)
+            log.info(
+                "weights updated",
+                extra={
+                    "fields": {
+                        "version": new_version,
+                        "path": weights_path,
+                        "engines": loaded,
+                        "failed": errors,
+                        "reload_seconds": round(seconds, 3),
+                        "waited_seconds": round(waited, 3),
+                    }
+                },
+            )
+            return proto.weights_response(new_version, loaded, seconds)
 
     async def _load(
         self, targets: list[Engine], source: str, version: int, raise_first: bool = False
