@@ -57,7 +57,7 @@ from kubestar.common.stats import difference_text, interval_text, mean
 from kubestar.engine.models import resolve_model
 from kubestar.training.datasets import Problem, load_problems
 from kubestar.training.endpoints import Endpoints
-from kubestar.training.evaluation import run_rollouts
+from kubestar.training.evaluation import RolloutSettings, run_rollouts
 from kubestar.training.local import LocalStack
 from kubestar.training.progress import FileReporter
 from kubestar.training.report import read_metrics, trend, write_comparison, write_report
@@ -209,29 +209,21 @@ def rollouts(
     max_turns: int,
 ) -> list[dict[str, Any]]:
     """`samples` agent-loop trajectories per problem through the scheduler, scored."""
-    _, trajectories = asyncio.run(
-        run_rollouts(
-            engine_url=None,
-            scheduler=endpoints.scheduler,
-            sandbox=endpoints.sandbox,
-            problems=problems,
-            samples=samples,
-            max_turns=max_turns,
-            max_response_tokens=MAX_RESPONSE_TOKENS,
-            max_context=2048,
-            model=str(model_dir),
-            temperature=temperature,
-            top_p=1.0,
-            top_k=0,
-            sampling_seed=0,
-            tool_timeout=5.0,
-            concurrency=32,
-            sandbox_mode="batch",
-            request_timeout=600.0,
-            verify_workers=2,
-            progress=True,
-        )
+    settings = RolloutSettings(
+        sandbox=endpoints.sandbox,
+        scheduler=endpoints.scheduler,
+        samples=samples,
+        max_turns=max_turns,
+        max_response_tokens=MAX_RESPONSE_TOKENS,
+        max_context=2048,
+        model=str(model_dir),
+        temperature=temperature,
+        tool_timeout=5.0,
+        concurrency=32,
+        sandbox_mode="batch",
+        request_timeout=600.0,
     )
+    _, trajectories = asyncio.run(run_rollouts(problems, settings))
     return trajectories
 
 

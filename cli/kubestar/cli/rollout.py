@@ -1,11 +1,16 @@
-"""`kubestar rollout`: run N problems x G samples through the agent loop and report."""
+"""`kubestar rollout`: run N problems x G samples through the agent loop and report.
+
+The flags become one settings object the library runs:
+`kubestar.training.entrypoints.AgentRolloutConfig` (`rollout`), whose `rollouts` are the
+agent loop's `kubestar.training.evaluation.RolloutSettings`.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import click
+from kubestar.cli.options import library_errors
 
 
 @click.command("rollout")
@@ -101,46 +106,42 @@ def rollout(
     response lengths and throughput."""
     if bool(engine_url) == bool(scheduler):
         raise click.UsageError("give exactly one of --engine URL and --scheduler HOST:PORT")
-    from kubestar.training.datasets import load_problems
-    from kubestar.training.evaluation import (
-        TokenizerNotFound,
-        format_stats,
-        run_rollouts,
-        write_trajectories,
-    )
+    from kubestar.training.entrypoints import AgentRolloutConfig
+    from kubestar.training.entrypoints import rollout as run
+    from kubestar.training.evaluation import RolloutSettings, TokenizerNotFound, format_stats
 
+    config = AgentRolloutConfig(
+        rollouts=RolloutSettings(
+            sandbox=sandbox,
+            engine=engine_url or "",
+            scheduler=scheduler or "",
+            samples=samples,
+            max_turns=max_turns,
+            max_response_tokens=max_response_tokens,
+            max_context=max_context,
+            model=model,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            sampling_seed=sampling_seed,
+            tool_timeout=tool_timeout,
+            concurrency=concurrency,
+            sandbox_mode=sandbox_mode,
+            request_timeout=request_timeout,
+            verify_workers=verify_workers,
+            progress=not no_progress,
+        ),
+        dataset=dataset,
+        problems=problems_file or "",
+        num_problems=num_problems,
+        seed=seed,
+        output=output or "",
+    )
     try:
-        problems = load_problems(problems_file or dataset, limit=num_problems, seed=seed)
-    except (ValueError, FileNotFoundError) as exc:
-        raise click.UsageError(str(exc)) from exc
-    try:
-        stats, trajectories = asyncio.run(
-            run_rollouts(
-                engine_url=engine_url,
-                scheduler=scheduler,
-                sandbox=sandbox,
-                problems=problems,
-                samples=samples,
-                max_turns=max_turns,
-                max_response_tokens=max_response_tokens,
-                max_context=max_context,
-                model=model,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                sampling_seed=sampling_seed,
-                tool_timeout=tool_timeout,
-                concurrency=concurrency,
-                sandbox_mode=sandbox_mode,
-                request_timeout=request_timeout,
-                verify_workers=verify_workers,
-                progress=not no_progress,
-            )
-        )
+        with library_errors():
+            stats = run(config)
     except TokenizerNotFound as exc:
         raise click.UsageError(str(exc)) from exc
-    if output:
-        write_trajectories(output, trajectories)
     if as_json:
         click.echo(json.dumps(stats, indent=2))
     else:

@@ -2,6 +2,7 @@
 object the CLI builds from its flags, and the function that runs it.
 
 * `AgentEvalConfig` -> `evaluate`: `kubestar eval` without --search.
+* `AgentRolloutConfig` -> `rollout`: `kubestar rollout`.
 * `TrainConfig` -> `train`: `kubestar train`, on this machine or as a trainer pod's
   entrypoint (`--in-cluster`), and each training rank those start.
 
@@ -11,6 +12,10 @@ engine on the model and a sandbox server as local processes on 127.0.0.1
 (`LocalStack.for_command`) and stops them (by PID) when it is done. A setting that cannot
 work raises SettingError naming it, a service that does not come up ServiceFailed (its
 message ends with its log).
+
+`kubestar rollout`: N problems x G samples through the agent loop on running services (one
+vLLM engine or the rollout scheduler, and the sandbox), as `kubestar eval` runs it
+(`kubestar.training.evaluation.run_rollouts` with its `RolloutSettings`).
 
 `kubestar train`: locally it starts the sandbox, the vLLM engines and the rollout scheduler
 of the manifest's SandboxPool and RolloutFleet (`LocalStack.for_run`); in a cluster the
@@ -38,6 +43,7 @@ if TYPE_CHECKING:
     from kubestar.api.trainer_contract import TrainerEnvironment
     from kubestar.api.v1alpha1 import RolloutFleet, SandboxPool, TrainingRun
     from kubestar.training.distributed import World
+    from kubestar.training.evaluation import RolloutSettings
     from kubestar.training.stopping import FinalFailure
     from kubestar.training.workers import SearchEvaluator
 
@@ -103,7 +109,12 @@ def evaluate(config: AgentEvalConfig) -> dict[str, Any]:
     the metrics (`kubestar.training.evaluation.eval_metrics` with where they were measured)
     and writes the trajectories to `config.output`. Raises TokenizerNotFound when no
     tokenizer can be had."""
-    from kubestar.training.evaluation import eval_metrics, run_rollouts, write_trajectories
+    from kubestar.training.evaluation import (
+        RolloutSettings,
+        eval_metrics,
+        run_rollouts,
+        write_trajectories,
+    )
 
     model_dir = resolve_policy(config.model) if config.model else None
     problems = problem_set(config.problems, config.limit, config.seed)
@@ -123,29 +134,23 @@ def evaluate(config: AgentEvalConfig) -> dict[str, Any]:
     with stack.running() as started:
         url = config.engine or stack.engines[0].url
         sandbox = config.sandbox or started.sandbox
-        stats, trajectories = asyncio.run(
-            run_rollouts(
-                engine_url=url,
-                scheduler=None,
-                sandbox=sandbox,
-                problems=problems,
-                samples=config.samples,
-                max_turns=config.max_turns,
-                max_response_tokens=config.max_response_tokens,
-                max_context=0,
-                model=str(model_dir) if model_dir else "",
-                temperature=config.temperature,
-                top_p=config.top_p,
-                top_k=0,
-                sampling_seed=config.sampling_seed,
-                tool_timeout=config.tool_timeout,
-                concurrency=1024,
-                sandbox_mode="stream",
-                request_timeout=config.request_timeout,
-                verify_workers=2,
-                progress=config.progress,
-            )
+        # The rest as `kubestar rollout` has it by default: the engine's context, top-k
+        # off, 1024 trajectories at once on one sandbox stream, 2 verifying processes.
+        settings = RolloutSettings(
+            sandbox=sandbox,
+            engine=url,
+            samples=config.samples,
+            max_turns=config.max_turns,
+            max_response_tokens=config.max_response_tokens,
+            model=str(model_dir) if model_dir else "",
+            temperature=config.temperature,
+            top_p=config.top_p,
+            sampling_seed=config.sampling_seed,
+            tool_timeout=config.tool_timeout,
+            request_timeout=config.request_timeout,
+            progress=config.progress,
         )
+        stats, trajectories = asyncio.run(run_rollouts(problems, settings))
     metrics = eval_metrics(stats, trajectories)
     metrics["model"] = str(model_dir) if model_dir else ""
     metrics["engine"] = url
@@ -155,6 +160,41 @@ def evaluate(config: AgentEvalConfig) -> dict[str, Any]:
     if config.output:
         write_trajectories(config.output, trajectories)
     return metrics
+
+
+# -- kubestar rollout -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AgentRolloutConfig:
+    """`kubestar rollout`: N problems x G samples through the agent loop on running
+    services, for the stats of the batch (accuracy, tool use, response lengths,
+    throughput). Each field is the flag of the same name."""
+
+    # Where and how the agent loop runs (the services, samples, turns, sampling, ...).
+    rollouts: RolloutSettings
+    # A reasoning-gym dataset, optionally NAME:key=value,... for its config.
+    dataset: str = "basic_arithmetic"
+    problems: str = ""  # a .jsonl file of problems (question, answer) instead of `dataset`
+    num_problems: int = 10
+    seed: int = 0  # of generated problems
+    output: str = ""  # every trajectory as a .jsonl file ("": none)
+
+
+def rollout(config: AgentRolloutConfig) -> dict[str, Any]:
+    """`kubestar rollout`: the batch's stats (`kubestar.training.evaluation.format_stats`
+    prints them); the trajectories written to `config.output`. Raises SettingError
+    ("problems") when the problems cannot be had, TokenizerNotFound when no tokenizer can."""
+    from kubestar.training.datasets import load_problems
+    from kubestar.training.evaluation import run_rollouts, write_trajectories
+
+    spec = config.problems or config.dataset
+    try:
+        problems = load_problems(spec, limit=config.num_problems, seed=config.seed)
+    except (ValueError, FileNotFoundError) as exc:
+        raise SettingError("problems", str(exc)) from exc
+    stats, trajectories = asyncio.run(run_rollouts(problems, config.rollouts))
+    if config.output:
+        write_trajectories(config.output, trajectories)
+    return stats
 
 
 # -- kubestar train ---------------------------------------------------------------------------

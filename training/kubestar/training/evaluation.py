@@ -1,8 +1,9 @@
 """A model on a problem set, outside training: the agent loop against running services.
 
 `run_rollouts` runs `samples` trajectories per problem through the agent loop, against one
-vLLM engine or the rollout scheduler, with the sandbox for the code tool, and returns the
-batch's stats with every trajectory (`write_trajectories` keeps them as JSON lines).
+vLLM engine or the rollout scheduler, with the sandbox for the code tool (`RolloutSettings`),
+and returns the batch's stats with every trajectory (`write_trajectories` keeps them as JSON
+lines).
 `kubestar rollout` prints those stats (`format_stats`); `kubestar eval` adds how often the
 model answered and called the tool (`eval_metrics`, `format_eval`).
 """
@@ -11,10 +12,12 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+from kubestar.api.errors import SettingError
 from kubestar.common.net import check_grpc_serving, check_http_serving
 from kubestar.engine.models import resolve_model
 from kubestar.training.chat import ChatTokenizer
@@ -59,70 +62,86 @@ async def engine_info(url: str) -> tuple[int, str]:
     return 0, ""
 
 
+@dataclass(frozen=True)
+class RolloutSettings:
+    """How `run_rollouts` runs the agent loop, and on which running services: the sandbox
+    and exactly one of `engine` and `scheduler`. Defaults are `kubestar rollout`'s; each
+    field is its flag of the same name."""
+
+    sandbox: str  # the sandbox (HOST:PORT)
+    engine: str = ""  # one vLLM engine (http://HOST:PORT)
+    scheduler: str = ""  # or the rollout scheduler (HOST:PORT)
+    samples: int = 4  # per problem
+    max_turns: int = 10
+    max_response_tokens: int = 2048
+    max_context: int = 0  # the engine's context length (0: ask the engine; a scheduler: none)
+    # The tokenizer: a model folder or a name kubestar resolves ("": the engine's model,
+    # else FALLBACK_TOKENIZER_MODEL).
+    model: str = ""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    sampling_seed: int = 0  # 0: unseeded
+    tool_timeout: float = 10.0  # seconds per tool call
+    concurrency: int = 1024  # trajectories in flight at once
+    sandbox_mode: str = "stream"  # one long-lived stream, or micro-batches ("batch")
+    request_timeout: float = 1800.0  # seconds one turn may take, queueing included
+    verify_workers: int = 2  # processes that verify answers
+    progress: bool = True  # a progress bar on stderr
+
+    def __post_init__(self) -> None:
+        if bool(self.engine) == bool(self.scheduler):
+            raise SettingError("engine", "give exactly one of engine and scheduler")
+
+
 async def run_rollouts(
-    *,
-    engine_url: str | None,
-    scheduler: str | None,
-    sandbox: str,
-    problems: list[Problem],
-    samples: int,
-    max_turns: int,
-    max_response_tokens: int,
-    max_context: int,
-    model: str,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    sampling_seed: int,
-    tool_timeout: float,
-    concurrency: int,
-    sandbox_mode: str,
-    request_timeout: float,
-    verify_workers: int,
-    progress: bool,
+    problems: list[Problem], settings: RolloutSettings
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Run `samples` trajectories per problem through the agent loop (against one engine or
-    a scheduler); returns the batch's stats and each trajectory as a dict. Raises
+    """Run `settings.samples` trajectories per problem through the agent loop (against one
+    engine or a scheduler); returns the batch's stats and each trajectory as a dict. Raises
     ServiceUnreachable when a service does not answer, TokenizerNotFound when no tokenizer can
     be had."""
+    s = settings
+    sandbox, engine_url, scheduler = s.sandbox, s.engine, s.scheduler
     await check_grpc_serving(sandbox, "--sandbox")
     if engine_url:
         await check_http_serving(engine_url, "--engine")
     else:
-        assert scheduler is not None
         await check_grpc_serving(scheduler, "--scheduler")
     generator: Generator
     engine_root = ""
+    max_context = s.max_context
     if engine_url:
         engine_context, engine_root = await engine_info(engine_url)
         max_context = max_context or engine_context
-        generator = EngineGenerator(engine_url, timeout=request_timeout)
+        generator = EngineGenerator(engine_url, timeout=s.request_timeout)
     else:
-        assert scheduler is not None
-        generator = SchedulerGenerator(scheduler, timeout=request_timeout)
+        generator = SchedulerGenerator(scheduler, timeout=s.request_timeout)
     try:
-        tokenizer = ChatTokenizer.from_model(tokenizer_source(model, engine_root))
+        tokenizer = ChatTokenizer.from_model(tokenizer_source(s.model, engine_root))
     except (FileNotFoundError, ImportError, RuntimeError) as exc:
         raise TokenizerNotFound(f"no tokenizer: {exc} (pass --model PATH)") from exc
     tools: ToolExecutor
-    if sandbox_mode == "stream":
+    if s.sandbox_mode == "stream":
         tools = SandboxStreamExecutor(sandbox)
     else:
         tools = SandboxBatchExecutor(sandbox)
     config = RolloutConfig(
-        max_turns=max_turns,
-        max_response_tokens=max_response_tokens,
+        max_turns=s.max_turns,
+        max_response_tokens=s.max_response_tokens,
         max_context_tokens=max_context,
-        sampling=Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=sampling_seed),
-        tool_timeout_seconds=tool_timeout,
-        max_concurrency=concurrency,
+        sampling=Sampling(
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.sampling_seed
+        ),
+        tool_timeout_seconds=s.tool_timeout,
+        max_concurrency=s.concurrency,
     )
     loop = AgentLoop(generator, tools, tokenizer, config)
-    scorer = RewardScorer(workers=verify_workers)
+    scorer = RewardScorer(workers=s.verify_workers)
     bar = tqdm(
-        total=len(problems) * samples,
+        total=len(problems) * s.samples,
         unit="traj",
-        disable=not progress,
+        disable=not s.progress,
         file=sys.stderr,
         dynamic_ncols=True,
     )
@@ -143,7 +162,7 @@ async def run_rollouts(
         bar.update(1)
 
     try:
-        trajectories, stats = await rollout(loop, problems, samples, scorer, on_done=done)
+        trajectories, stats = await rollout(loop, problems, s.samples, scorer, on_done=done)
     finally:
         bar.close()
         scorer.close()
