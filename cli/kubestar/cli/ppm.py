@@ -1,15 +1,18 @@
 """`kubestar ppm`: train the process preference model on preference pairs, and serve it to
-search over gRPC."""
+search over gRPC.
+
+The flags become one settings object the library runs: `ppm train` a
+`kubestar.search.entrypoints.PpmTrainConfig` (`train_ppm`), `ppm serve` a
+`kubestar.scoring.server.ServerConfig` (`serve`).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
-from pathlib import Path
 
 import click
-from kubestar.cli.options import auth_token_file_option
+from kubestar.cli.options import auth_token_file_option, library_errors
 from kubestar.common import logs
 from kubestar.common.auth import load_token
 
@@ -98,48 +101,27 @@ def train_command(
     pairs) as JSON; they are also kept in the folder's ppm.json.
     """
     logs.configure(log_level)
-    from kubestar.engine.models import resolve_model
-    from kubestar.scoring.model import INFO_FILE, ProcessPreferenceModel
-    from kubestar.search.ppm import PpmTrainSettings, train_ppm
-    from kubestar.search.ppm_data import read_pairs, split_pairs
-    from kubestar.training.chat import ChatTokenizer
-    from tqdm import tqdm
+    from kubestar.search.entrypoints import PpmTrainConfig, train_ppm
+    from kubestar.search.ppm import PpmTrainSettings
 
-    target = Path(out)
-    if target.exists() and any(target.iterdir()) and not (target / INFO_FILE).exists():
-        raise click.BadParameter(
-            f"{out} exists and is not a PPM folder: give a new folder", param_hint="--out"
-        )
-    folder = resolve_model(model)
-    examples = read_pairs(pairs_file, ChatTokenizer.from_model(folder).encode)
-    train, held = split_pairs(examples, held_out, seed)
-    settings = PpmTrainSettings(
-        learning_rate=learning_rate,
-        epochs=epochs,
-        batch_size=batch_size,
-        micro_batch_size=micro_batch_size,
-        max_tokens=max_tokens,
-        seed=seed,
+    config = PpmTrainConfig(
+        pairs=pairs_file,
+        out=out,
+        model=model,
+        training=PpmTrainSettings(
+            learning_rate=learning_rate,
+            epochs=epochs,
+            batch_size=batch_size,
+            micro_batch_size=micro_batch_size,
+            max_tokens=max_tokens,
+            seed=seed,
+        ),
+        held_out=held_out,
+        device=device,
     )
-    model_ = ProcessPreferenceModel.load(folder, device=device, seed=seed)
-    with tqdm(desc="ppm", unit="step", dynamic_ncols=True) as bar:
-
-        def progress(epoch: int, step: int, total: int, loss: float) -> None:
-            bar.total = total
-            bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}")
-            bar.update(step - bar.n)
-
-        metrics = train_ppm(model_, train, settings, held_out=held, progress=progress)
-    report = metrics.as_dict()
-    model_.save(
-        target,
-        metadata={
-            "training": report,
-            "settings": dataclasses.asdict(settings),
-            "pairs_file": str(Path(pairs_file).resolve()),
-        },
-    )
-    click.echo(json.dumps({"out": str(target), **report}, indent=2))
+    with library_errors(lambda setting: f"--{setting}"):
+        trained = train_ppm(config)
+    click.echo(json.dumps(trained, indent=2))
 
 
 @ppm.command("serve")

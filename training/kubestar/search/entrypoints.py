@@ -10,6 +10,8 @@ from its flags, a benchmark builds the same object, and the function here does t
 * `SolveConfig` -> `solve`: `kubestar solve`.
 * `SearchEvalConfig` -> `evaluate_search`: `kubestar eval --search`.
 * `EvolveConfig` -> `evolve`: `kubestar evolve`, each policy served by `LocalSearchServices`.
+* `PpmTrainConfig` -> `train_ppm`: `kubestar ppm train` (no services: the pairs to a PPM
+  folder, `kubestar.search.ppm.train_ppm_folder`).
 
 The services of a search (`search_services`): the scheduler and the sandbox given, the others
 started as local processes on 127.0.0.1 (`LocalStack.for_command`: without a scheduler, vLLM
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kubestar.api.errors import KubestarError
+from kubestar.api.errors import KubestarError, SettingError
 from kubestar.search.adapters import StepSampling
 from kubestar.search.scorer import PpmSource, ppm_scorer
 from kubestar.search.solve import Solved, SolverStack, SolveSettings
@@ -45,6 +47,7 @@ from kubestar.training.local import LocalServiceSettings, LocalStack
 
 if TYPE_CHECKING:
     from kubestar.search.evolve import RoundSettings, SolveFunction
+    from kubestar.search.ppm import PpmTrainSettings
     from kubestar.search.ppm_data import Encode
     from kubestar.search.sweep import SweepPoint, SweepSettings
 
@@ -598,3 +601,61 @@ def evolve(config: EvolveConfig) -> dict[str, Any]:
 
     manifest: dict[str, Any] = Round(settings, services, progress).run(until=config.until)
     return manifest
+
+
+# -- kubestar ppm train -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class PpmTrainConfig:
+    """`kubestar ppm train`: a PPM trained on preference pairs with the Bradley-Terry loss
+    and written to `out`. Each field is the flag of the same name."""
+
+    # JSONL of preference pairs: prompt, chosen, rejected (text, or token ids in prompt_ids,
+    # chosen_ids, rejected_ids).
+    pairs: str
+    out: str  # the PPM folder to write (new, or a PPM folder to replace)
+    # The policy's model (a folder or a name kubestar resolves): the PPM starts from it and
+    # reads token ids with its tokenizer.
+    model: str = "SmolLM2-135M-Instruct"
+    # How it is trained (--learning-rate, --epochs, --batch-size, --micro-batch-size,
+    # --max-tokens, --seed; None: PpmTrainSettings(), rStar-Math's); the seed also splits
+    # the pairs.
+    training: PpmTrainSettings | None = None
+    held_out: float = 0.05  # the share of pairs kept out of training to measure accuracy on
+    device: str = "auto"  # cuda, cpu, ... (auto: a GPU if any)
+
+
+def train_ppm(config: PpmTrainConfig) -> dict[str, Any]:
+    """`kubestar ppm train`: the PPM folder written to `config.out` with a progress bar on
+    stderr; returns the folder (`out`) and the metrics (loss per epoch, pair accuracy on the
+    training and the held-out pairs), which its ppm.json keeps too. Raises SettingError("out")
+    when `out` holds something other than a PPM."""
+    from kubestar.engine.models import resolve_model
+    from kubestar.scoring.model import INFO_FILE
+    from kubestar.search.ppm import PpmTrainSettings, train_ppm_folder
+    from kubestar.search.ppm_data import read_pairs
+    from kubestar.training.chat import ChatTokenizer
+    from tqdm import tqdm
+
+    target = Path(config.out)
+    if target.exists() and any(target.iterdir()) and not (target / INFO_FILE).exists():
+        raise SettingError("out", f"{config.out} exists and is not a PPM folder: give a new folder")
+    folder = resolve_model(config.model)
+    examples = read_pairs(config.pairs, ChatTokenizer.from_model(folder).encode)
+    with tqdm(desc="ppm", unit="step", dynamic_ncols=True) as bar:
+
+        def progress(epoch: int, step: int, total: int, loss: float) -> None:
+            bar.total = total
+            bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}")
+            bar.update(step - bar.n)
+
+        report = train_ppm_folder(
+            folder,
+            examples,
+            target,
+            config.training or PpmTrainSettings(),
+            held_out=config.held_out,
+            device=config.device,
+            pairs_file=Path(config.pairs),
+            progress=progress,
+        )
+    return {"out": str(target), **report}

@@ -63,7 +63,7 @@ from kubestar.api.errors import KubestarError, SettingError
 from kubestar.engine.models import tokenizer_sha256
 from kubestar.search.adapters import StepSampling
 from kubestar.search.data import SftTrace, is_correct, ppm_pairs, sft_traces
-from kubestar.search.ppm_data import Encode, pair_record, split_pairs
+from kubestar.search.ppm_data import Encode, pair_record
 from kubestar.search.solve import (
     BEAM,
     BEST_OF_N,
@@ -677,8 +677,7 @@ class Round:
         return {"examples": len(examples), "base": str(self.models.sft_base), **metrics}
 
     def _ppm(self) -> dict[str, Any]:
-        from kubestar.scoring.model import ProcessPreferenceModel
-        from kubestar.search.ppm import PpmTrainSettings, train_ppm
+        from kubestar.search.ppm import PpmTrainSettings, train_ppm_folder
         from kubestar.search.ppm_data import PairFileError, read_pairs
         from kubestar.training.chat import ChatTokenizer
 
@@ -692,7 +691,6 @@ class Round:
                 f"{error}: no tree had both a correct and a wrong answer under one step: "
                 "search more problems, or with more rollouts"
             ) from None
-        train, held = split_pairs(examples, s.ppm.held_out, s.seed)
         settings = PpmTrainSettings(
             learning_rate=s.ppm.learning_rate,
             epochs=s.ppm.epochs,
@@ -701,25 +699,17 @@ class Round:
             max_tokens=s.ppm.max_tokens,
             seed=s.seed,
         )
-        model = ProcessPreferenceModel.load(self.models.ppm_base, device=s.device, seed=s.seed)
         report = _every_tenth(self.progress, "ppm")
-        metrics = train_ppm(
-            model,
-            train,
+        figures = train_ppm_folder(
+            self.models.ppm_base,
+            examples,
+            self.folder / PPM,
             settings,
-            held_out=held,
+            held_out=s.ppm.held_out,
+            device=s.device,
+            pairs_file=pairs_file,
             progress=lambda _epoch, step, total, loss: report(step, total, loss),
         )
-        figures = metrics.as_dict()
-        model.save(
-            self.folder / PPM,
-            metadata={
-                "training": figures,
-                "settings": asdict(settings),
-                "pairs_file": str(pairs_file.resolve()),
-            },
-        )
-        del model
         _free_accelerator()
         return {"base": str(self.models.ppm_base), **figures}
 

@@ -8,7 +8,8 @@ preference pairs with the Bradley-Terry loss.
 * Sequences longer than `max_tokens` keep their last tokens: the reward is read at the end,
   so the step being judged must stay (rStar cuts the end instead, which can drop the step).
 * The trained model is saved as a PPM folder (`ProcessPreferenceModel.save`), which the
-  scoring service serves.
+  scoring service serves: `train_ppm_folder` does it all, for `kubestar ppm train` and the
+  PPM stage of `kubestar evolve`.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from kubestar.scoring.model import ProcessPreferenceModel
-from kubestar.search.ppm_data import PpmExample
+from kubestar.search.ppm_data import PpmExample, split_pairs
 from kubestar.training.policy import OptimizerConfig
 
 # (epoch, step, total steps, loss of the step).
@@ -163,3 +165,33 @@ def train_ppm(
         metrics.held_out_accuracy = pair_accuracy(model, held_out, settings.max_tokens)
     metrics.seconds = time.monotonic() - started
     return metrics
+
+
+def train_ppm_folder(
+    base: Path,
+    examples: Sequence[PpmExample],
+    out: Path,
+    settings: PpmTrainSettings,
+    *,
+    held_out: float,
+    device: str,
+    pairs_file: Path,
+    progress: ProgressCallback | None = None,
+) -> dict[str, Any]:
+    """A PPM trained from `base` (a PPM folder, or a model's for a fresh head) on the pairs
+    of `pairs_file` (`examples`), the share `held_out` of them kept out of training (split
+    by `settings.seed`), and saved as the PPM folder `out`, whose ppm.json keeps the metrics,
+    the settings and the pairs file; returns the metrics (`PpmTrainMetrics.as_dict`)."""
+    train, held = split_pairs(examples, held_out, settings.seed)
+    model = ProcessPreferenceModel.load(base, device=device, seed=settings.seed)
+    metrics = train_ppm(model, train, settings, held_out=held, progress=progress)
+    report = metrics.as_dict()
+    model.save(
+        out,
+        metadata={
+            "training": report,
+            "settings": asdict(settings),
+            "pairs_file": str(pairs_file.resolve()),
+        },
+    )
+    return report
