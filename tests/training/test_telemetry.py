@@ -21,6 +21,7 @@ def step_entry(step: int, stage: str = "short", **extra: float) -> dict[str, Any
         "accuracy": step / 20,
         "mean_response_tokens": 100.0 + step,
         "train_clip_fraction": 0.01,
+        "rollout_positive_tool_error_rate": 0.25,
         "kept": 8.0,
         "spoiled": 1.0,
         "rollout_seconds": 3.0,
@@ -52,6 +53,13 @@ def test_every_logged_entry_becomes_the_series_a_dashboard_reads(tmp_path: Path)
     assert sample(metrics, "kubestar_trainer_accuracy", **stage) == 0.1
     assert sample(metrics, "kubestar_trainer_response_tokens", **stage) == 102
     assert sample(metrics, "kubestar_trainer_weights_version", **stage) == 1
+    assert sample(metrics, "kubestar_trainer_positive_tool_error_rate", **stage) == 0.25
+    assert sample(metrics, "kubestar_trainer_clip_fraction", **stage) == 0.01
+    # A step that kept no group (every reward equal) trained nothing and clipped nothing.
+    untrained = {k: v for k, v in step_entry(3).items() if k != "train_clip_fraction"}
+    other = TrainerMetrics("r")
+    other.entry(untrained)
+    assert sample(other, "kubestar_trainer_clip_fraction", **stage) == 0
     assert sample(metrics, "kubestar_trainer_steps_total", **stage) == 2
     kept = sample(metrics, "kubestar_trainer_trajectories_total", outcome="kept", **stage)
     spoiled = sample(metrics, "kubestar_trainer_trajectories_total", outcome="spoiled", **stage)

@@ -42,12 +42,15 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     "accuracy": ("accuracy", "Share of the step's rollouts with a correct answer"),
     "tool_calls_per_trajectory": ("tool_calls_per_trajectory", "Tool calls per trajectory"),
     "tool_error_rate": ("tool_error_rate", "Share of tool calls that failed"),
-    "positive_tool_error_rate": (
+    "rollout_positive_tool_error_rate": (
         "positive_tool_error_rate",
-        "Share of tool calls that failed, in the trajectories kept as positives (GRPO-RoC)",
+        "Share of tool calls that failed, in the step's correct rollouts (0 without any)",
     ),
     "mean_response_tokens": ("response_tokens", "Mean response tokens per trajectory"),
-    "train_clip_fraction": ("clip_fraction", "Share of tokens whose ratio was clipped"),
+    "train_clip_fraction": (
+        "clip_fraction",
+        "Share of trained tokens whose ratio was clipped (0 when RoC kept no group to train on)",
+    ),
     "tokens_per_second": ("tokens_per_second", "Rollout tokens generated per second"),
     "weights_versions": ("weights_version", "Newest weights version the rollouts sampled"),
 }
@@ -139,6 +142,8 @@ class TrainerMetrics:
         labels = (self.run, stage)
         self.step.labels(*labels).set(float(entry["step"]))
         self.stage_step.labels(*labels).set(float(entry["stage_step"]))
+        # A step that kept no group trained nothing, and clipped nothing.
+        entry = {"train_clip_fraction": 0.0, **entry}
         for key, gauge in self.gauges.items():
             if isinstance(entry.get(key), int | float):
                 gauge.labels(*labels).set(float(entry[key]))
