@@ -977,6 +977,15 @@ def test_rank_0_alone_serves_metrics_through_a_service_and_scrape_annotations() 
     annotations = templates[0]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(port)
     assert "annotations" not in templates[1]["metadata"]
+    assert containers(workers[0])[0]["ports"][0]["containerPort"] == port
+    # On the host's network no port is declared (it would be a host port, and a replacement
+    # trainer pod could not be scheduled beside the pod it replaces); the annotations say it.
+    host = OperatorSettings.model_validate({"network": {"hostNetwork": True}})
+    (on_host, _) = build_trainer.jobs(body, spec, fleet, pool, host)
+    assert "ports" not in containers(on_host)[0]
+    assert on_host["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(
+        host.ports.trainer_metrics
+    )
     log, service = build_trainer.telemetry(body, settings)
     assert (log["kind"], log["metadata"]["name"]) == ("ConfigMap", "tiny-cpu-metrics")
     assert "data" not in log and "binaryData" not in log  # the trainer's to fill

@@ -460,12 +460,15 @@ def job(
     worker_label = {LABEL_WORKER: str(worker)}
     template: o.Obj = {"labels": {**o.labels("TrainingRun", name, TRAINER), **worker_label}}
     if worker == 0:  # rank 0 serves the run's Prometheus metrics
-        container = pod["containers"][0]
         port = settings.ports.trainer_metrics
-        container["ports"] = [{"name": "metrics", "containerPort": port, "protocol": "TCP"}]
-        if settings.network.host_network:
-            container["ports"][0]["hostPort"] = port
-        template["annotations"] = o.scrape_annotations(container)
+        metrics = {"name": "metrics", "containerPort": port, "protocol": "TCP"}
+        template["annotations"] = o.scrape_annotations({"ports": [metrics]})
+        if not settings.network.host_network:
+            # On the host's network a declared port is a host port, which would keep a
+            # replacement pod from being scheduled until the one it replaces is gone: the
+            # replacement must start while the old pod checkpoints (it waits on the run
+            # folder's lock), so the port is only in the annotations there.
+            pod["containers"][0]["ports"] = [metrics]
     job_spec: o.Obj = {
         # A retry resumes from the newest checkpoint, if checkpoints outlive the pod.
         "backoffLimit": settings.trainer.backoff_limit
