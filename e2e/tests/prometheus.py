@@ -1,5 +1,5 @@
 """A real Prometheus for the suite (Debian's): it scrapes kubestar's pods, found through the
-cluster's API by their prometheus.io annotations, every 2 s from the suite's start to its
+cluster's API by their prometheus.io annotations, every 5 s from the suite's start to its
 end; the tests query it over HTTP."""
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from typing import Any
 import yaml
 from kubestar.common import kube
 
-SCRAPE_SECONDS = 2
+SCRAPE_SECONDS = 5
 # The annotations a Prometheus without the Prometheus operator finds pods by.
 SCRAPE, PORT, PATH = (f"prometheus.io/{key}" for key in ("scrape", "port", "path"))
 COMPONENT = "app.kubernetes.io/component"
 
 
 def scrape_config(targets: Path) -> dict[str, Any]:
-    """Scrape what `targets` (file discovery, kept by PodDiscovery) lists, every 2 s."""
+    """Scrape what `targets` (file discovery, kept by PodDiscovery) lists, every SCRAPE_SECONDS."""
     return {
         "global": {
             "scrape_interval": f"{SCRAPE_SECONDS}s",
