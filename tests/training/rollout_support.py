@@ -112,19 +112,24 @@ def coin_model(
     embeddings = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     assert head.weight.data_ptr() == embeddings.data_ptr()
-    # The loss of the reply tokens only, the output layer applied at their positions alone
-    # (over the whole prompt, its 49,152 columns would cost 40x the rest of the model).
-    rows = [
-        (torch.tensor([prompt + reply]), len(prompt)) for prompt in prompts for reply in replies
-    ]
+    # One batch of every (question, answer) row, right-padded: causal attention keeps the
+    # padding out of every real position. The loss is the reply tokens' only, the output
+    # layer applied at their positions alone (over the whole prompt, its 49,152 columns
+    # would cost 40x the rest of the model).
+    rows = [(prompt + reply, len(prompt)) for prompt in prompts for reply in replies]
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.tensor([row + [row[-1]] * (width - len(row)) for row, _ in rows])  # [rows, width]
+    targets = torch.zeros_like(ids, dtype=torch.bool)  # positions whose token is learnt
+    for index, (row, start) in enumerate(rows):
+        targets[index, start : len(row)] = True
+    predicted_from = targets.roll(-1, dims=1)  # the position before each learnt token
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(40):
         optimizer.zero_grad()
-        loss = torch.zeros(())
-        for ids, start in rows:
-            hidden = model.get_decoder()(input_ids=ids).last_hidden_state[0, start - 1 : -1]
-            loss = loss + torch.nn.functional.cross_entropy(head(hidden), ids[0, start:])
-        loss.backward()
+        hidden = model.get_decoder()(input_ids=ids).last_hidden_state  # [rows, width, hidden]
+        logits = head(hidden[predicted_from])  # [learnt tokens, vocab]
+        loss = torch.nn.functional.cross_entropy(logits, ids[targets], reduction="sum")
+        (loss / len(rows)).backward()
         optimizer.step()
         if len(sides) > 1:
             with torch.no_grad():
