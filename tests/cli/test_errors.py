@@ -170,3 +170,17 @@ def test_a_local_run_cannot_mount_a_models_claim(tmp_path: Path) -> None:
     )
     done = kubestar("train", "-f", str(manifest), "--run-dir", str(tmp_path / "run"))
     one_line_error(done, "spec.model.pvcClaimName", "'models'", "spec.model.path")
+
+
+def test_a_local_run_refuses_an_autoscaled_fleet(tmp_path: Path) -> None:
+    manifest = tmp_path / "run.yaml"
+    manifest.write_text(
+        "apiVersion: kubestar.dev/v1alpha1\nkind: RolloutFleet\nmetadata: {name: f}\nspec:\n"
+        "  autoscaling: {maxReplicas: 4, target: 8}\n---\n"
+        "apiVersion: kubestar.dev/v1alpha1\nkind: TrainingRun\nmetadata: {name: run}\nspec:\n"
+        "  rolloutFleetRef: {name: f}\n  sandboxPoolRef: {name: pool}\n"
+        "  stages: [{name: s, steps: 1, maxResponseTokens: 64, dataset: {generator: gcd}}]\n"
+    )
+    done = kubestar("train", "-f", str(manifest), "--run-dir", str(tmp_path / "run"))
+    one_line_error(done, "RolloutFleet f spec.autoscaling", "spec.replicas", "remove it")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -214,6 +214,50 @@ def test_rollout_fleet_children_and_status(
     )
 
 
+def test_a_fleet_is_sized_through_its_scale_subresource(
+    cluster: LocalCluster, operator: OperatorProcess, namespace: str
+) -> None:
+    """spec.autoscaling's bounds are the operator's to keep, through the scale subresource
+    (with the chart's RBAC: the operator may patch a fleet's scale, not its spec); then
+    `kubectl scale`, as a user or a HorizontalPodAutoscaler would. The engines' Deployment
+    follows each, and status.lastScale says who changed the size and why."""
+    api = cluster.api()
+    body = example("RolloutFleet", "elastic")
+    body["spec"]["replicas"] = 1
+    body["spec"]["autoscaling"] = {"minReplicas": 2, "maxReplicas": 3, "target": 4}
+    api.create(kubestar(namespace, "rolloutfleets"), body)
+    path = kubestar(namespace, "rolloutfleets", "elastic")
+    engines = apis("apps/v1", namespace, "deployments", "elastic-engine")
+
+    def replicas(want: int) -> dict[str, Any] | None:
+        fleet, deployment = api.get(path) or {}, api.get(engines) or {}
+        last = (fleet.get("status") or {}).get("lastScale") or {}
+        done = (deployment.get("spec") or {}).get("replicas") == want == last.get("toReplicas")
+        return fleet if done else None
+
+    fleet = wait_for("the engines raised to minReplicas", lambda: replicas(2), timeout=30)
+    status = fleet["status"]
+    assert fleet["spec"]["replicas"] == 2
+    assert status["lastScale"]["reason"] == "Autoscaled"
+    assert status["lastScale"]["fromReplicas"] == 1
+    assert status["lastScale"]["message"] == "minReplicas is 2"
+    # No scheduler answers here (the operator's probe is off): no value, no other change.
+    assert status["autoscaling"]["desiredReplicas"] == 2 and "value" not in status["autoscaling"]
+
+    api.merge_patch(path, {"spec": {"autoscaling": None}})
+    cluster.kubectl("scale", "rolloutfleet", "elastic", "-n", namespace, "--replicas=3")
+    fleet = wait_for("the engines scaled to 3", lambda: replicas(3), timeout=30)
+    last = fleet["status"]["lastScale"]
+    assert (last["reason"], last["fromReplicas"], last["message"]) == ("SpecChanged", 2, "")
+    assert "autoscaling" not in fleet["status"]
+    # What a HorizontalPodAutoscaler reads: the size and the engine pods' selector.
+    scale = api.get(kubestar(namespace, "rolloutfleets", "elastic") + "/scale") or {}
+    assert scale["spec"]["replicas"] == 3
+    template = (api.get(engines) or {})["spec"]["template"]["metadata"]["labels"]
+    selector = dict(pair.split("=") for pair in scale["status"]["selector"].split(","))
+    assert selector and selector.items() <= template.items()
+
+
 def test_spec_change_rolls_out_and_deleted_child_is_recreated(
     cluster: LocalCluster, operator: OperatorProcess, namespace: str
 ) -> None:

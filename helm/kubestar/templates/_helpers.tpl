@@ -44,6 +44,11 @@ each namespace it watches (and nothing beyond them).
 - apiGroups: ["kubestar.dev"]
   resources: ["sandboxpools/status", "rolloutfleets/status", "trainingruns/status"]
   verbs: ["get", "patch"]
+# A fleet's spec.autoscaling: the operator sets its replicas as a HorizontalPodAutoscaler
+# would, through the scale subresource (never the rest of the spec).
+- apiGroups: ["kubestar.dev"]
+  resources: ["rolloutfleets/scale"]
+  verbs: ["get", "patch"]
 # Owner references with blockOwnerDeletion need this where the admission plugin
 # OwnerReferencesPermissionEnforcement is on.
 - apiGroups: ["kubestar.dev"]

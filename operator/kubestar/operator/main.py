@@ -104,7 +104,9 @@ async def scheduler_probe(endpoint: str, namespace: str, token: str = "") -> Sch
         e.name: EngineProbe(int(e.capacity_tokens), float(e.kv_usage), e.error)
         for e in status.engines
     }
-    return SchedulerProbe(engines, int(status.weights_version), status.weights_path)
+    return SchedulerProbe(
+        engines, int(status.weights_version), status.weights_path, int(status.queued)
+    )
 
 
 @dataclass

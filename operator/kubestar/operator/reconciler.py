@@ -118,6 +118,8 @@ class SchedulerProbe(NamedTuple):
     weights_version: int
     # The folder its engines' weights came from; "" while they serve their own.
     weights_path: str
+    # Turns waiting for KV room on an engine (what spec.autoscaling's queuedTurns counts).
+    queued: int = 0
 
 
 # Scheduler probe: (endpoint, the fleet's namespace, whose token it takes) -> what the

@@ -2,6 +2,8 @@
 reports ready engines, each engine's KV capacity (asked of the scheduler, which reads vLLM's
 `vllm:cache_config_info`), the scheduler's endpoint, the weights the engines serve, and a
 Ready condition that names what is wrong (no free GPUs, image pulls, crash loops, OOM kills).
+With spec.autoscaling it also sizes the fleet by the scheduler's load (kubestar.operator.
+autoscaler), through the scale subresource; status.lastScale says why the size last changed.
 
 The weights live in the scheduler's memory only; the status reports them. A restarted
 scheduler serves none until the trainer, which owns them, pushes its latest again (before its
@@ -12,12 +14,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 from kubestar.api.conditions import Condition, ConditionType, Reason, condition
-from kubestar.api.v1alpha1 import EngineStatus, RolloutFleetSpec, RolloutFleetStatus, WeightsStatus
+from kubestar.api.v1alpha1 import (
+    AutoscalingStatus,
+    EngineStatus,
+    RolloutFleetSpec,
+    RolloutFleetStatus,
+    ScaleEvent,
+    WeightsStatus,
+)
 from kubestar.common import kube as k
-from kubestar.operator import build_fleet
+from kubestar.operator import autoscaler, build_fleet
 from kubestar.operator import conditions as cond
 from kubestar.operator import objects as o
 from kubestar.operator.conditions import ready_replicas
@@ -121,11 +131,35 @@ def fleet_status(
         openai_endpoint=build_fleet.openai_endpoint(
             meta["name"], meta["namespace"], spec, settings
         ),
+        selector=",".join(
+            f"{key}={value}" for key, value in build_fleet.engine_selector(meta["name"]).items()
+        ),
         engines=per_engine,
         kv_capacity_tokens=sum(known) if known else None,
         weights=WeightsStatus.model_validate(weights) if weights else None,
     )
     return status, ready
+
+
+def seen_scale(
+    fleet: Mapping[str, Any], spec: RolloutFleetSpec, now: datetime
+) -> ScaleEvent | None:
+    """status.lastScale: a change of spec.replicas since the last status that the operator
+    did not make itself (its own are recorded when made), else the one recorded."""
+    status = fleet.get("status") or {}
+    last = ScaleEvent.model_validate(status["lastScale"]) if status.get("lastScale") else None
+    before = status.get("replicas")
+    if before is None or before == spec.replicas:
+        return last
+    if last is not None and last.to_replicas == spec.replicas:
+        return last  # the operator's own change, reported before its Deployment followed
+    return ScaleEvent(
+        time=autoscaler.stamp(now),
+        from_replicas=int(before),
+        to_replicas=spec.replicas,
+        reason="SpecChanged",
+        message="",  # every field set: a merge patch would keep an earlier event's
+    )
 
 
 async def reconcile(ctx: Context, fleet: dict[str, Any]) -> None:
@@ -159,4 +193,40 @@ async def reconcile(ctx: Context, fleet: dict[str, Any]) -> None:
     status, ready = fleet_status(
         fleet, spec, engines, scheduler, pods, capacities, settings, weights
     )
+    now = datetime.now(UTC)
+    status.last_scale = seen_scale(fleet, spec, now)
+    status.autoscaling = None
+    if spec.autoscaling is not None:
+        previous = (fleet.get("status") or {}).get("autoscaling")
+        decision = autoscaler.decide(
+            spec.autoscaling,
+            spec.replicas,
+            status.ready_replicas,
+            autoscaler.metric_value(spec.autoscaling, probe, status.ready_replicas),
+            AutoscalingStatus.model_validate(previous) if previous else None,
+            now,
+        )
+        status.autoscaling = decision.status
+        if decision.replicas != spec.replicas:
+            # As a HorizontalPodAutoscaler does: the change is the spec's, so the next
+            # reconcile (the watch sees it) sizes the engines' Deployment.
+            await ctx.kube.merge_patch(
+                k.path_of(fleet, "scale"), {"spec": {"replicas": decision.replicas}}
+            )
+            log.info(
+                "%s/%s: %d -> %d engines: %s",
+                meta["namespace"],
+                meta["name"],
+                spec.replicas,
+                decision.replicas,
+                decision.message,
+            )
+            status.replicas = decision.replicas
+            status.last_scale = ScaleEvent(
+                time=autoscaler.stamp(now),
+                from_replicas=spec.replicas,
+                to_replicas=decision.replicas,
+                reason="Autoscaled",
+                message=decision.message,
+            )
     await ctx.set_conditions(fleet, [ready], status)

@@ -324,6 +324,8 @@ def render_crd(kind: Kind) -> Schema:
             "specReplicasPath": ".spec.replicas",
             "statusReplicasPath": ".status.readyReplicas",
         }
+        if "selector" in kind.status.model_fields:  # what a HorizontalPodAutoscaler needs
+            subresources["scale"]["labelSelectorPath"] = ".status.selector"
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",

@@ -317,6 +317,46 @@ class SchedulerSpec(Spec):
     )
 
 
+class AutoscalingSpec(Spec):
+    """Engines added and removed by the rollout load, as a HorizontalPodAutoscaler would: the
+    operator sets spec.replicas (through the scale subresource) to
+    ceil(replicas x value / target), within minReplicas and maxReplicas."""
+
+    min_replicas: int = Field(1, ge=1, le=1024, description="The fewest engines.")
+    max_replicas: int = Field(ge=1, le=1024, description="The most engines.")
+    metric: Literal["queuedTurns", "kvUsage"] = Field(
+        "queuedTurns",
+        description="What the fleet is scaled by, as its scheduler reports it: queuedTurns, "
+        "the turns waiting for KV room per ready engine; kvUsage, the mean fraction of the "
+        "engines' KV cache in use (0 to 1).",
+    )
+    target: float = Field(
+        gt=0,
+        le=1_000_000,
+        description="The metric's value the fleet is sized for: more engines above it, fewer "
+        "below it (within a tolerance of 10 %). kvUsage: at most 1.",
+    )
+    scale_down_delay_seconds: int = Field(
+        120,
+        ge=0,
+        le=86400,
+        description="How long the metric must stay below the target before engines are "
+        "removed (scale-ups are at once): a rollout's lull between two steps, while the "
+        "trainer trains, removes none.",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"minReplicas ({self.min_replicas}) must not exceed maxReplicas "
+                f"({self.max_replicas})"
+            )
+        if self.metric == "kvUsage" and self.target > 1:
+            raise ValueError(f"target ({self.target:g}) must be at most 1 for metric kvUsage")
+        return self
+
+
 class RolloutFleetSpec(Spec):
     """Desired state of a RolloutFleet: vLLM engines serving the policy model, and the
     scheduler that spreads rollout requests over them."""
@@ -329,7 +369,16 @@ class RolloutFleetSpec(Spec):
         1,
         ge=0,
         le=1024,
-        description="Number of engine pods. 0 stops the fleet. `kubectl scale` changes it.",
+        description="Number of engine pods. 0 stops the fleet. `kubectl scale` (the scale "
+        "subresource, which a HorizontalPodAutoscaler drives too) changes it; with "
+        "autoscaling set, the operator does.",
+    )
+    autoscaling: AutoscalingSpec | None = Field(
+        None,
+        description="Scale the engines by the rollout load (the scheduler's queue or KV "
+        "use). A joining engine loads the current weights before it takes a turn; a leaving "
+        "one takes no new turn and its turns in flight finish on the others. Unset: "
+        "replicas stays as set.",
     )
     accelerator: Literal["amd", "nvidia", "cpu"] = Field(
         "cpu",
@@ -1353,6 +1402,36 @@ class EngineStatus(Spec):
     )
 
 
+class ScaleEvent(Spec):
+    """A change of the fleet's size: when, from what to what, and why."""
+
+    time: str = Field(description="When the operator saw or made it (RFC 3339).")
+    from_replicas: int = Field(description="Engines wanted before.")
+    to_replicas: int = Field(description="Engines wanted after.")
+    reason: Literal["Autoscaled", "SpecChanged"] = Field(
+        description="Autoscaled: the operator, by spec.autoscaling. SpecChanged: "
+        "spec.replicas was set by someone else (kubectl scale, an edit, an autoscaler of "
+        "the cluster's)."
+    )
+    message: str = Field("", description="The metric and target behind an Autoscaled change.")
+
+
+class AutoscalingStatus(Spec):
+    """What the operator's autoscaler last saw (spec.autoscaling)."""
+
+    value: float | None = Field(
+        None,
+        description="The metric's last value (spec.autoscaling.metric); unset while the "
+        "scheduler does not answer.",
+    )
+    desired_replicas: int = Field(0, description="The engines the metric asks for.")
+    below_target_since: str = Field(
+        "",
+        description="Since when (RFC 3339) the metric asks for fewer engines; they are "
+        "removed once that lasted spec.autoscaling.scaleDownDelaySeconds. Empty: it does not.",
+    )
+
+
 class WeightsStatus(Spec):
     """Policy weights the fleet's engines serve."""
 
@@ -1377,6 +1456,17 @@ class RolloutFleetStatus(Spec):
         "",
         description="http://HOST:PORT/v1 of the scheduler's OpenAI-compatible API, when "
         "spec.scheduler.openaiPort is set.",
+    )
+    selector: str = Field(
+        "",
+        description="The label selector of the engine pods (the scale subresource's, which "
+        "a HorizontalPodAutoscaler needs).",
+    )
+    last_scale: ScaleEvent | None = Field(
+        None, description="The latest change of spec.replicas the operator saw or made."
+    )
+    autoscaling: AutoscalingStatus | None = Field(
+        None, description="The autoscaler's view, while spec.autoscaling is set."
     )
     engines: list[EngineStatus] = Field(
         default_factory=list, description="Each engine's readiness and KV cache."

@@ -298,6 +298,12 @@ def _train_here(
                 f"spec.model.pvcClaimName: a local run cannot mount the claim "
                 f"{run.spec.model.pvc_claim_name!r}; set spec.model.path to the model's folder"
             )
+        if fleet.spec.autoscaling is not None:
+            raise RunRefused(
+                f"RolloutFleet {fleet.metadata.name} spec.autoscaling: a local run starts "
+                f"spec.replicas engines and scales none (the operator does, in a cluster); "
+                "remove it from the manifest to run here"
+            )
         source = run.spec.model.path or run.spec.model.name
         say(f"preparing model {source}")
         model_dir = resolve_model(source)
