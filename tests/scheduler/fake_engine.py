@@ -65,6 +65,9 @@ class FakeEngine:
     bodies: list[dict[str, Any]] = field(default_factory=list)
     max_running: int = 0
     reloads: list[str] = field(default_factory=list)
+    # In order: ("turn", "") when a completion arrives, ("load", path) when a weight reload
+    # arrives and ("loaded", path) when it is done (what a turn may see, and when).
+    events: list[tuple[str, str]] = field(default_factory=list)
     # Set: a weight reload answers only after this many seconds (a stuck reload).
     reload_delay: float = 0.0
     paused: bool = False
@@ -145,6 +148,7 @@ class FakeEngine:
         self.requests.append((len(prompt), max_tokens))
         self.samples.append(n)
         self.bodies.append(body)
+        self.events.append(("turn", ""))
         if len(prompt) + max_tokens > self.max_model_len:
             return web.json_response(
                 {"error": {"message": "longer than max_model_len", "code": 400}}, status=400
@@ -272,8 +276,10 @@ class FakeEngine:
         path = (await request.json())["path"]
         if path.endswith("missing"):
             return web.json_response({"error": "no such folder"}, status=500)
+        self.events.append(("load", path))
         if self.reload_delay:
             await asyncio.sleep(self.reload_delay)
         self.weights = path
         self.reloads.append(path)
+        self.events.append(("loaded", path))
         return web.json_response({"bytes": 0, "seconds": self.reload_delay})

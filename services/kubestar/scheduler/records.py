@@ -73,3 +73,6 @@ class Engine:
     failures: int = 0
     # When the engine last answered a scrape (monotonic seconds).
     last_answer: float = field(default_factory=time.monotonic)
+    # The weights (version, path) it loaded through the scheduler; None: its own, from its
+    # start. Not the version alone: the SFT weights are version 0, as an engine's own are.
+    weights: tuple[int, str] | None = None

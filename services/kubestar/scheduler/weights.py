@@ -60,14 +60,17 @@ class WeightUpdates:
         """Before an engine takes turns: load the current weights unless it has them."""
         # Waits for an update in progress, which this engine would otherwise miss.
         async with self.lock:
-            if engine.state.weights_version != self.version and self.path:
+            # By (version, path), not version: an engine that never loaded any weights says
+            # version 0, which is also the version the trainer gives its SFT weights.
+            if self.path and engine.weights != (self.version, self.path):
                 await self._load([engine], self.path, self.version, raise_first=True)
-                engine.state.weights_version = self.version
 
     def forget_loaded(self, engine: Engine) -> None:
         """A failed engine may come back restarted, with its original weights: reload then."""
-        if self.path:
-            engine.state.weights_version = 0
+        # Also during an update, before its weights are recorded: an engine that loaded them
+        # and then failed (restarted) before the others finished must load them again.
+        engine.weights = None
+        engine.state.weights_version = 0
 
     async def update(
         self,
@@ -101,7 +104,6 @@ class WeightUpdates:
                         raise result
                     failed.append((engine, result))
                 else:
-                    engine.state.weights_version = new_version
                     loaded.append(engine.state.name)
             seconds = time.monotonic() - started
             for engine, error in failed:
@@ -139,15 +141,21 @@ class WeightUpdates:
             try:
                 async with asyncio.timeout(self.reload_timeout):
                     if session:
-                        return await engine.client.receive_weights(
+                        loaded = await engine.client.receive_weights(
                             source, session, index, len(targets), version, self.reload_timeout
                         )
-                    return await engine.client.load_weights(source)
+                    else:
+                        loaded = await engine.client.load_weights(source)
             except TimeoutError:
                 raise TimeoutError(
                     f"loading weights v{version} from {source} did not finish in "
                     f"{self.reload_timeout:g} s"
                 ) from None
+            # Recorded as soon as this engine has them, not when every target has: if it
+            # fails before the others are done, forget_loaded() must not be overwritten.
+            engine.weights = (version, source)
+            engine.state.weights_version = version
+            return loaded
 
         loads = (load(index, engine) for index, engine in enumerate(targets))
         if raise_first:
