@@ -175,7 +175,7 @@ def train_ppm(tmp_path: Path) -> Path:
 
 
 def test_a_sharded_run_on_mixed_rewards_with_mcts_evaluation(tmp_path: Path) -> None:
-    """One run, three behaviours that each need a whole run:
+    """One run, four behaviours that each need a whole run:
 
     - trainer.processesPerWorker 2 trains in two processes (rank 0 and a child rank), the
       model sharded between them; rank 0 drives rollouts, status and checkpoints;
@@ -184,7 +184,9 @@ def test_a_sharded_run_on_mixed_rewards_with_mcts_evaluation(tmp_path: Path) -> 
     - evaluation.search with mcts and a real PPM (`kubestar ppm train`'s folder, loaded in
       the trainer) also solves the held-out problems at each evaluation point, on the run's
       scheduler and sandbox; its accuracy, tokens and time reach the status, the metrics log
-      and the report.
+      and the report;
+    - algorithm.maxStaleness 1: step 2's rollouts run while step 1 trains (the engines do
+      not idle), and its tokens lag the trained weights by one version at most.
 
     Step 1 samples a coin that is fair on every CPU (rollout_support.coin_model), and a tiny
     learning rate keeps step 2's close to it (seen here: at 1e-3 step 2 gave no answer at all,
@@ -208,6 +210,7 @@ def test_a_sharded_run_on_mixed_rewards_with_mcts_evaluation(tmp_path: Path) -> 
         MANIFEST.replace("name: tiny-random-llama", f"name: {model}")
         .replace("groupSize: 2", "groupSize: 8")
         .replace("learningRate: 1.0e-3", "learningRate: 1.0e-7")
+        .replace("temperature: 1.0}", "temperature: 1.0, maxStaleness: 1, tisCap: 2}")
         .replace("generator: basic_arithmetic, size: 20, seed: 3", f"path: {problems}, size: 2")
         .replace("at: [start, end]", "at: [start, end]\n    everySteps: 1")
         .replace(held_out, f"dataset: {{path: {problems}, size: 2}}\n    {search}")
@@ -218,7 +221,17 @@ def test_a_sharded_run_on_mixed_rewards_with_mcts_evaluation(tmp_path: Path) -> 
     steps = rl_steps(tmp_path)
     assert [m["step"] for m in steps] == [1, 2]
     assert all(m["world_size"] == 2 for m in steps)
-    assert steps[1]["weights_versions"] == 1  # gathered from both shards, loaded by the engine
+    # Step 2 rolled out from step 1's launch on: its first turns sampled weights v0, its
+    # later ones v0 or (after the push) v1; none lags more than one version, so none was
+    # dropped, and the importance weights corrected the lagging tokens.
+    assert steps[1]["oldest_weights_version"] == 0 and steps[1]["staleness_max"] == 1
+    assert steps[1]["off_policy_token_fraction"] > 0 and steps[1]["stale_dropped"] == 0
+    assert all("train_tis_truncated_fraction" in step for step in steps)
+    # The engines rolled step 2 out while step 1 trained: they idled (almost) not at all.
+    assert steps[0]["engine_idle_seconds"] < steps[0]["train_seconds"]
+    log = (tmp_path / "run" / "logs" / "scheduler.log").read_text()
+    loaded = [json.loads(line)["version"] for line in log.splitlines() if "weights updated" in line]
+    assert 1 in loaded  # gathered from both shards, loaded by the engine
     assert (tmp_path / "run" / "logs" / "rank-1.log").exists()
     for step in steps:
         assert 0 < step["reward"] < 1  # mixed: some 7s, some 3s

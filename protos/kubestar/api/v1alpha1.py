@@ -476,6 +476,18 @@ class AlgorithmSpec(Spec):
         "log-probabilities (verl's tis_imp_ratio_cap). Unset: off. The gap is logged either "
         "way (engine_logprob_gap).",
     )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        le=8,
+        description="Rollouts ahead of training: 0 (the paper's loop) rolls a step out, then "
+        "trains on it while the engines idle. k > 0 starts the rollouts of the next k steps "
+        "as soon as a step's are collected, so the engines roll out while the trainer trains; "
+        "new weights are pushed as they are made, each token records the weights that "
+        "sampled it, a token at most k versions behind the trained weights enters an update "
+        "(older trajectories are dropped), and tisCap, required here, corrects each token by "
+        "the logprobs of the weights that sampled it. Each stage starts in step.",
+    )
     max_turns: int = Field(
         10,
         ge=1,
@@ -503,6 +515,15 @@ class AlgorithmSpec(Spec):
         description="Nucleus sampling of training rollouts: sample from the smallest set of "
         "tokens whose probability reaches topP. 1: no truncation.",
     )
+
+    @model_validator(mode="after")
+    def _staleness_needs_correction(self) -> AlgorithmSpec:
+        if self.max_staleness and self.tis_cap is None:
+            raise ValueError(
+                f"maxStaleness ({self.max_staleness}) needs tisCap: tokens sampled from older "
+                "weights are corrected by truncated importance sampling (e.g. tisCap: 2)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _roc_fields_need_roc(self) -> AlgorithmSpec:

@@ -56,6 +56,12 @@ from kubestar.training.datasets import Problem, file_problems, load_problems, mi
 from kubestar.training.distributed import SINGLE, ShardingConfig, World, all_reduce
 from kubestar.training.endpoints import Endpoints
 from kubestar.training.generators import Sampling
+from kubestar.training.pipeline import (
+    RolloutsAhead,
+    idle_seconds,
+    stale_trajectories,
+    staleness_metrics,
+)
 from kubestar.training.policy import OptimizerConfig, Policy
 from kubestar.training.progress import (
     MetricsListener,
@@ -324,6 +330,9 @@ class TrainingSession:
         # scheduler that had lost them in this step's rollouts: in each step's metrics.
         self._push_attempts = 0
         self._pushed_again = 0
+        # (start, end) of collected rollouts whose end may fall in a later step's window:
+        # what kept the engines busy (engine_idle_seconds).
+        self._busy: list[tuple[float, float]] = []
         self.resumed_from: Path | None = None  # the checkpoint this run resumed from
         # Rank 0's server of the weights to the engines (endpoints.weight_sync "broadcast").
         self._weight_server: WeightServer | None = None
@@ -476,22 +485,31 @@ class TrainingSession:
                     "problems": len(problems),
                 }
                 log.info("stage", extra={"fields": fields})
+            staleness = self.spec.algorithm.max_staleness
+            request = training_rollouts(self.spec, stage, trainer.config.rollouts_per_problem)
+            # Rollouts of the next `staleness` steps run while this one trains (pipeline.py).
+            ahead = RolloutsAhead(
+                depth=staleness,
+                steps=stage.steps,
+                start=partial(self._start_rollout, worker, stage, problems, request),
+                collect=self._collect_rollout,
+            )
             for step in range(state.stage_step, stage.steps):
                 started = time.monotonic()
                 trajectories: list[Trajectory] = []
+                dropped: list[Trajectory] = []
                 attempts = 1
                 self._pushed_again = 0
                 if main:
-                    attempt = partial(
-                        self._rollout,
-                        worker,
-                        step_problems(problems, stage, step),
-                        training_rollouts(self.spec, stage, trainer.config.rollouts_per_problem),
-                    )
+                    attempt = partial(self._take_rollout, ahead, step)
                     trajectories, stats, attempts = rollout_step(
                         attempt, self.spec.resilience, state.global_step + 1, self._retrying
                     )
                     self.status.rollout_retry = None
+                    if staleness:
+                        trajectories, dropped = stale_trajectories(
+                            trajectories, state.global_step, staleness
+                        )
                 rollout_seconds = time.monotonic() - started
                 self._doing(f"updating the policy on step {state.global_step + 1}", "the trainer")
                 metrics = trainer.update(trajectories)  # sharded: rank 0's trajectories
@@ -502,6 +520,16 @@ class TrainingSession:
                 if main:
                     versions = [v for t in trajectories for v in t.weights_versions]
                     done = time.monotonic()
+                    busy = self._busy + [(a.started, done) for a in ahead.launched.values()]
+                    metrics.update(
+                        staleness_metrics(trajectories, state.global_step - 1),
+                        stale_dropped=float(len(dropped)),
+                        # The trainer waits on the step's rollouts; the engines idle
+                        # while no rollout is under way (all of training, in step).
+                        trainer_idle_seconds=rollout_seconds,
+                        engine_idle_seconds=idle_seconds((started, done), busy),
+                    )
+                    self._busy = [(a, b) for a, b in self._busy if b > done]
                     metrics.update(
                         step_seconds=done - started,
                         rollout_seconds=rollout_seconds,
@@ -762,19 +790,41 @@ class TrainingSession:
         record_evaluation(self.status, evaluation_result(entry))
         self.reporter.report(self.status)
 
-    def _rollout(
-        self, worker: Any, problems: list[Problem], request: RolloutRequest
-    ) -> tuple[list[Trajectory], Any]:
-        """One rollout of a step's problems on the Ray worker: trajectories and their stats.
-        First the scheduler is checked to serve the latest weights (a restart loses them)."""
+    def _start_rollout(
+        self,
+        worker: Any,
+        stage: StageSpec,
+        problems: list[Problem],
+        request: RolloutRequest,
+        step: int,
+    ) -> Any:
+        """Start the rollouts of the stage's step `step` on the Ray worker: its ref. First
+        the scheduler is checked to serve the latest weights (a restart loses them)."""
         import ray
 
-        self._doing(f"rolling out step {self.status.step + 1}", self._rollout_components())
+        problems = step_problems(problems, stage, step)
+
         if self._weights is not None:
             path, version = self._weights
             if ray.get(worker.ensure_weights.remote(path, version, self.spec.resilience)):
                 self._pushed_again += 1
-        trajectories, stats = ray.get(worker.rollout.remote(problems, *request.arguments()))
+        return worker.rollout.remote(problems, *request.arguments())
+
+    def _collect_rollout(self, ref: Any) -> tuple[list[Trajectory], Any]:
+        import ray
+
+        trajectories, stats = ray.get(ref)
+        return trajectories, stats
+
+    def _take_rollout(
+        self, ahead: RolloutsAhead[Any, tuple[list[Trajectory], Any]], step: int
+    ) -> tuple[list[Trajectory], Any]:
+        """One attempt at a step's rollouts: the first takes those started for it (ahead,
+        or now); one after a failure rolls them out again now."""
+        self._doing(f"rolling out step {self.status.step + 1}", self._rollout_components())
+        taken = ahead.again(step) if step in ahead.taken else ahead.take(step)
+        (trajectories, stats), began = taken
+        self._busy.append((began, began + stats.wall_s))
         return trajectories, stats
 
     def _rollout_components(self) -> str:

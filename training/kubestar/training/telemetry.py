@@ -53,6 +53,27 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     ),
     "tokens_per_second": ("tokens_per_second", "Rollout tokens generated per second"),
     "weights_versions": ("weights_version", "Newest weights version the rollouts sampled"),
+    "staleness_max": (
+        "staleness",
+        "Most weights versions a trained token lagged the weights it trained (algorithm."
+        "maxStaleness bounds it)",
+    ),
+    "off_policy_token_fraction": (
+        "off_policy_token_fraction",
+        "Share of trained tokens sampled from older weights (corrected by importance sampling)",
+    ),
+    "train_tis_truncated_fraction": (
+        "tis_truncated_fraction",
+        "Share of trained tokens whose importance weight was truncated at algorithm.tisCap",
+    ),
+    "engine_idle_seconds": (
+        "engine_idle_seconds",
+        "Seconds of the newest step in which no rollout was under way",
+    ),
+    "trainer_idle_seconds": (
+        "trainer_idle_seconds",
+        "Seconds of the newest step the trainer waited on its rollouts",
+    ),
 }
 # Seconds of a step by part: entry key -> the `part` label.
 STEP_PARTS = {
