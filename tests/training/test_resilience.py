@@ -5,10 +5,12 @@ real sandbox that is away for the first attempt) or fails the run."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
+import grpc
 import pytest
 from aiohttp import web
 from kubestar.api.conditions import ConditionStatus, ConditionType, Reason
@@ -34,10 +36,12 @@ from kubestar.training.resilience import (
     ensure_weights,
     push_weights,
     rollout_step,
+    with_retries,
 )
 from kubestar.training.rollout import AgentLoop, RolloutConfig, rollout
 from kubestar.training.trainer import AlgorithmConfig, rollout_metrics, select_groups
 from kubestar.training.trajectory import ANSWERED, ERROR, ToolCallRecord, Trajectory
+from kubestar.v1 import rollout_pb2 as pb
 
 from tests.sandbox.support import ThreadedServer
 from tests.scheduler.conftest import fast_config
@@ -305,6 +309,135 @@ async def test_a_push_waits_for_a_scheduler_that_comes_back(engines: list[FakeEn
     finally:
         for server in started:
             await server.stop(grace_seconds=1.0)
+
+
+class WatchedClient(SchedulerClient):
+    """A scheduler client that writes down its pushes and whether each status call (the
+    readiness probe of a back-off) was answered."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(endpoint, timeout=10)
+        self.events: list[str] = []
+
+    async def status(self) -> pb.GetSchedulerStatusResponse:
+        try:
+            answer = await super().status()
+        except grpc.aio.AioRpcError:
+            self.events.append("away")
+            raise
+        self.events.append("answers")
+        return answer
+
+    async def update_weights(
+        self, weights_path: str, version: int | None = None, timeout: float | None = None
+    ) -> pb.UpdateWeightsResponse:
+        self.events.append("push")
+        return await super().update_weights(weights_path, version, timeout)
+
+
+async def test_a_push_is_tried_again_as_soon_as_the_scheduler_answers_again(
+    engines: list[FakeEngine], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The scheduler is away for the first push and comes back during a back-off that would
+    last 10 minutes (the injected back-off never ends by itself): the push is tried again
+    right after the scheduler first answers again, and that second try is the retry."""
+    port = free_port()
+    started: list[SchedulerServer] = []
+    waits: list[float] = []
+    cut_short: list[float] = []
+    client = WatchedClient(f"127.0.0.1:{port}")
+
+    async def back_off(seconds: float) -> None:
+        waits.append(seconds)
+        while client.events.count("away") < 2:  # the probes find it away first
+            await asyncio.sleep(0.05)
+        started.append(await start_scheduler(engines, port))
+        client.events.append("up")
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cut_short.append(seconds)
+            raise
+
+    spec = ResilienceSpec(retry_backoff_seconds=600, weights_update_attempts=3)
+    caplog.set_level(logging.WARNING, logger="kubestar.training.resilience")
+    try:
+        async with client:
+            push = push_weights(client, "/weights/v000001", 1, spec, sleep=back_off)
+            answer = await asyncio.wait_for(push, 15)
+        assert answer.version == 1 and sorted(answer.engines) == ["e0", "e1"]
+        assert waits == [600] and cut_short == [600]  # one retry, its back-off cut short
+        events = client.events
+        assert events[:3] == ["push", "away", "away"] and events.count("push") == 2
+        # Away until it is up; the first answer is followed at once by the second try.
+        assert set(events[: events.index("up")]) == {"push", "away"}
+        assert events.index("answers") > events.index("up")
+        assert events[-2:] == ["answers", "push"] and events.count("answers") == 1
+        early = [r.getMessage() for r in caplog.records if "answers again" in r.getMessage()]
+        assert len(early) == 1 and f"127.0.0.1:{port}" in early[0]
+        assert "into the 600 s back-off: attempt 2 of 3 now" in early[0]
+    finally:
+        for server in started:
+            await server.stop(grace_seconds=1.0)
+
+
+async def test_a_scheduler_that_never_comes_back_uses_every_attempt_then_fails(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Nothing ever answers: each back-off runs to its end (the probes find the scheduler
+    away throughout), every attempt is used, and the failure reads as it always did."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    retries = Retries()
+    ended: list[float] = []
+
+    async def back_off(seconds: float) -> None:
+        await retries.sleep(seconds)
+        ended.append(seconds)
+
+    spec = ResilienceSpec(retry_backoff_seconds=0.6, weights_update_attempts=3)
+    caplog.set_level(logging.WARNING, logger="kubestar.training.resilience")
+    async with WatchedClient(endpoint) as client:
+        with pytest.raises(InfrastructureFailure) as failure:
+            await asyncio.wait_for(
+                push_weights(client, "/weights/v000001", 1, spec, sleep=back_off), 15
+            )
+    assert retries.count == 2 and ended == [0.6, 1.2]  # full back-offs, 0.6 s doubled
+    assert client.events.count("push") == 3
+    assert "answers" not in client.events and client.events.count("away") >= 2
+    message = str(failure.value)
+    assert message.startswith(
+        f"pushing weights v1 (/weights/v000001) through the rollout scheduler {endpoint}: "
+        "UNAVAILABLE: "
+    )
+    assert message.endswith("(attempt 3 of 3: giving up)")
+    assert not [r for r in caplog.records if "answers again" in r.getMessage()]
+
+
+async def test_a_scheduler_that_answers_throughout_gets_the_whole_back_off() -> None:
+    """A call that fails while its service answers (past a deadline, overloaded) is not
+    tried again early: only a service that was away and answers again cuts a back-off."""
+    probes: list[str] = []
+    tries: list[int] = []
+    ended: list[float] = []
+
+    async def call() -> str:
+        tries.append(len(probes))
+        if len(tries) == 1:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata()
+            )
+        return "done"
+
+    async def ready() -> None:
+        probes.append("answers")
+
+    async def back_off(seconds: float) -> None:
+        while len(probes) < 5:  # it answers, again and again, during the back-off
+            await asyncio.sleep(0.01)
+        ended.append(seconds)
+
+    answer = await with_retries(call, "a call", 3, 7.0, back_off, ready=ready, poll=0.01)
+    assert answer == "done" and ended == [7.0] and tries[0] == 0 and tries[1] >= 5
 
 
 class FirstReloadHangs(FakeEngine):

@@ -11,7 +11,10 @@ rolled out again (after a back-off that doubles) instead of trained on; after
 Weights reach the engines through the rollout scheduler, which keeps them in memory: each
 push has a deadline and is tried again when the scheduler is away (`push_weights`), and
 before each rollout the trainer checks that the scheduler still serves the latest weights
-and pushes them again if a restart lost them (`ensure_weights`).
+and pushes them again if a restart lost them (`ensure_weights`). Between two tries the
+back-off is the longest wait: meanwhile the scheduler is asked for its status every
+READY_POLL_SECONDS, and a scheduler that was away (a deleted pod) and answers again (its
+replacement) is tried again at once, not when the back-off ends.
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF_SECONDS = 600.0
+# During a back-off between two tries of a call to the rollout scheduler (`with_retries`): how
+# often it is asked whether it answers again, and how long one such question may take.
+READY_POLL_SECONDS = 0.5
+READY_PROBE_SECONDS = 2.0
 
 
 class InfrastructureFailure(KubestarError):
@@ -138,7 +145,8 @@ RETRYABLE = frozenset(
 
 @dataclass
 class Retries:
-    """A back-off for `with_retries` (its `sleep`) that counts the tries after the first."""
+    """A back-off for `with_retries` (its `sleep`) that counts the tries after the first
+    (a back-off cut short because the service answers again counts too)."""
 
     count: int = 0
 
@@ -147,15 +155,69 @@ class Retries:
         await asyncio.sleep(seconds)
 
 
+async def answers_again(probe: Callable[[], Awaitable[object]], poll: float) -> None:
+    """Returns once `probe()` fails (the service is away: an RPC error, or no answer within
+    READY_PROBE_SECONDS) and then succeeds (it is back); never while it keeps answering, as a
+    service that is there failed the call for another reason (a deadline, an overload)."""
+    away = False
+    loop = asyncio.get_running_loop()
+    while True:
+        asked = loop.time()
+        try:
+            # Not asyncio.wait_for: on Python 3.11 it can swallow the cancellation that ends
+            # the watch when the probe answers at that moment.
+            async with asyncio.timeout(READY_PROBE_SECONDS):
+                await probe()
+        except (grpc.aio.AioRpcError, TimeoutError):
+            away = True
+        else:
+            if away:
+                return
+        await asyncio.sleep(max(0.0, poll - (loop.time() - asked)))
+
+
+async def back_off(
+    seconds: float,
+    sleep: Callable[[float], Awaitable[None]],
+    ready: Callable[[], Awaitable[object]] | None,
+    poll: float,
+) -> bool:
+    """`sleep(seconds)`, cut short when `ready` (a probe: see `answers_again`) says the
+    service was away and answers again; True then."""
+    if ready is None or seconds <= 0:
+        await sleep(seconds)
+        return False
+    # The back-off first: `sleep` starts (a counting sleep counts) before any probe answers.
+    waiting = asyncio.ensure_future(sleep(seconds))
+    watching = asyncio.ensure_future(answers_again(ready, poll))
+    try:
+        await asyncio.wait((waiting, watching), return_when=asyncio.FIRST_COMPLETED)
+        if not waiting.done() and (error := watching.exception()) is not None:
+            log.warning("asking whether the service answers again failed: %r", error)
+            await waiting  # the plain back-off, then
+        if waiting.done():
+            waiting.result()  # what the back-off raised, if it did
+            return False
+        return True
+    finally:
+        for task in (waiting, watching):
+            task.cancel()
+        await asyncio.gather(waiting, watching, return_exceptions=True)
+
+
 async def with_retries(
     call: Callable[[], Awaitable[T]],
     what: str,
     attempts: int,
     backoff: float,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ready: Callable[[], Awaitable[object]] | None = None,
+    poll: float = READY_POLL_SECONDS,
 ) -> T:
     """`call()` until it succeeds, up to `attempts` times when it fails in a way a retry may
-    mend; then InfrastructureFailure naming `what`."""
+    mend; then InfrastructureFailure naming `what`. Between tries `sleep` backs off (base
+    `backoff`, doubled each time); with `ready`, a cheap call to the same service asked every
+    `poll` s meanwhile, a back-off ends early once the service, found away, answers again."""
     for attempt in range(1, attempts + 1):
         try:
             return await call()
@@ -170,7 +232,16 @@ async def with_retries(
                 ) from None
             wait = backoff_seconds(attempt, backoff)
             log.warning("%s (attempt %d of %d; again in %g s)", failure, attempt, attempts, wait)
-            await sleep(wait)
+            started = time.monotonic()
+            if await back_off(wait, sleep, ready, poll):
+                log.warning(
+                    "%s: it answers again %.1f s into the %g s back-off: attempt %d of %d now",
+                    what,
+                    time.monotonic() - started,
+                    wait,
+                    attempt + 1,
+                    attempts,
+                )
     raise AssertionError("unreachable: attempts >= 1")
 
 
@@ -188,6 +259,7 @@ async def push_weights(
         spec.weights_update_attempts,
         spec.retry_backoff_seconds,
         sleep,
+        ready=client.status,
     )
 
 
@@ -206,6 +278,7 @@ async def ensure_weights(
         spec.weights_update_attempts,
         spec.retry_backoff_seconds,
         sleep,
+        ready=client.status,
     )
     if (status.weights_version, status.weights_path) == (version, path):
         return False
