@@ -15,7 +15,14 @@ from kubestar.v1 import rollout_pb2 as pb
 from kubestar.v1 import rollout_pb2_grpc as pb_grpc
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-_CHANNEL_OPTIONS = message_options(MAX_MESSAGE_BYTES)
+# A scheduler pod that was replaced answers at a new connection: try to reconnect at least
+# every second (gRPC's default backs off to 2 minutes), so that a caller waiting for it (the
+# trainer's push retry) sees it back within a second.
+_CHANNEL_OPTIONS = [
+    *message_options(MAX_MESSAGE_BYTES),
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 def sampling_params(sampling: pb.SamplingParams | Mapping[str, Any] | None) -> pb.SamplingParams:
