@@ -1050,7 +1050,8 @@ class ResilienceSpec(Spec):
         le=600,
         description="Wait before a step is rolled out again or its weights are pushed again, "
         "doubled for each further attempt (at most 10 minutes): time for a restarted pod to "
-        "come back.",
+        "come back. A push is tried again sooner when the scheduler, away after the failed "
+        "try, answers again (a replaced pod): for it the wait is the longest.",
     )
     weights_update_seconds: float = Field(
         900.0,
