@@ -107,6 +107,7 @@ def test_defaults_fill_every_field(cluster: LocalCluster, namespace: str) -> Non
         "clipHigh": 0.28,
         "learningRate": 1e-06,
         "updatesPerStep": 1,
+        "maxStaleness": 0,
         "maxTurns": 10,
         "temperature": 1,
         "topP": 1,
