@@ -287,6 +287,36 @@ async def test_a_turn_served_by_other_weights_than_pushed_is_an_infrastructure_f
         await server.stop(grace_seconds=1.0)
 
 
+async def test_a_turn_sent_before_a_push_may_finish_on_the_weights_it_began_with(
+    engines: list[FakeEngine],
+) -> None:
+    """algorithm.maxStaleness: the next step's rollouts run while the trainer pushes. A push
+    lets the turns in flight finish on the old weights; such a turn is kept (the staleness
+    bound and the importance weights deal with it), not failed as a restarted scheduler's."""
+    port = free_port()
+    server = await start_scheduler(engines, port)
+    generator = SchedulerGenerator(f"127.0.0.1:{port}", timeout=10)
+    try:
+        await push_weights(generator.client, "/weights/v000001", 1, ResilienceSpec())
+        generator.expected_weights_version = 1
+        for engine in engines:
+            engine.paused = True  # the turn stays in flight until the push has begun
+        turn = asyncio.ensure_future(generator.generate("t", [1, 2, 3], 4, Sampling(stop=())))
+        while not any(engine.running for engine in engines):
+            await asyncio.sleep(0.01)
+        push = asyncio.ensure_future(
+            push_weights(generator.client, "/weights/v000002", 2, ResilienceSpec())
+        )
+        generator.expected_weights_version = 2  # as the worker has it once the push is done
+        for engine in engines:
+            engine.paused = False
+        assert (await turn).weights_version == 1
+        assert (await push).version == 2
+    finally:
+        await generator.close()
+        await server.stop(grace_seconds=1.0)
+
+
 async def test_a_push_waits_for_a_scheduler_that_comes_back(engines: list[FakeEngine]) -> None:
     port = free_port()
     started: list[SchedulerServer] = []

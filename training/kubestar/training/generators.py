@@ -163,8 +163,10 @@ class SchedulerGenerator:
         self.endpoint = endpoint
         self.client = SchedulerClient(endpoint, timeout=timeout)
         # The weights version the trainer last pushed (None: not pushed yet). A turn served
-        # by other weights (a scheduler restarted mid-rollout, with none or older ones) is
-        # an infrastructure failure: its trajectory is left out rather than trained on.
+        # by weights older than those pushed when it was sent (a scheduler restarted
+        # mid-rollout, with none or older ones) is an infrastructure failure: its trajectory
+        # is left out rather than trained on. A turn sent before a push may finish on the
+        # weights it began with (algorithm.maxStaleness: rollouts run across pushes).
         self.expected_weights_version: int | None = None
 
     async def generate(
@@ -174,14 +176,14 @@ class SchedulerGenerator:
         max_new_tokens: int,
         sampling: Sampling,
     ) -> Generation:
+        expected = self.expected_weights_version  # when sent: a push may come meanwhile
         try:
             response = await self.client.generate(
                 trajectory_id, prompt_token_ids, max_new_tokens, to_sampling_params(sampling)
             )
         except grpc.RpcError as exc:
             raise GenerationError(f"scheduler {self.endpoint}: {exc}") from exc
-        expected = self.expected_weights_version
-        if expected is not None and response.weights_version != expected:
+        if expected is not None and response.weights_version < expected:
             raise GenerationError(
                 f"scheduler {self.endpoint}: served by weights v{response.weights_version}, "
                 f"not v{expected} (did it restart?)"

@@ -46,15 +46,13 @@ class RolloutsAhead(Generic[Handle, Result]):
     clock: Callable[[], float] = time.monotonic
     launched: dict[int, Launched[Handle]] = field(default_factory=dict)
     taken: set[int] = field(default_factory=set)
-    # Seconds `take` waited in `collect` (the trainer idle, waiting on rollouts).
-    waited: float = 0.0
 
     def take(self, step: int) -> tuple[Result, float]:
         """Step `step`'s rollouts (started now unless started ahead) and when they were
         started; then the next `depth` steps' are started."""
         launched = self.launched.pop(step, None) or self._launch(step)
         self.taken.add(step)
-        result = self._collect(launched)
+        result = self.collect(launched.handle)
         for ahead in range(step + 1, min(step + 1 + self.depth, self.steps)):
             if ahead not in self.launched:
                 self.launched[ahead] = self._launch(ahead)
@@ -64,23 +62,10 @@ class RolloutsAhead(Generic[Handle, Result]):
         """Step `step`'s rollouts started anew and collected (an attempt after a failure);
         no step is started ahead."""
         launched = self._launch(step)
-        return self._collect(launched), launched.started
-
-    def _collect(self, launched: Launched[Handle]) -> Result:
-        before = self.clock()
-        try:
-            return self.collect(launched.handle)
-        finally:
-            self.waited += self.clock() - before
+        return self.collect(launched.handle), launched.started
 
     def _launch(self, step: int) -> Launched[Handle]:
         return Launched(self.start(step), self.clock())
-
-    def abandon(self) -> list[int]:
-        """Forget the rollouts started ahead (a stop, a resume elsewhere): their steps."""
-        steps = sorted(self.launched)
-        self.launched.clear()
-        return steps
 
 
 def token_staleness(trajectory: Trajectory, trained_on: int) -> list[tuple[int, int]]:

@@ -803,7 +803,6 @@ class TrainingSession:
         import ray
 
         problems = step_problems(problems, stage, step)
-
         if self._weights is not None:
             path, version = self._weights
             if ray.get(worker.ensure_weights.remote(path, version, self.spec.resilience)):
