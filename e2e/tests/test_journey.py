@@ -53,6 +53,7 @@ from tests.real_parts import missing
 pytestmark = pytest.mark.journey
 
 RUN, FLEET, POOL = "e2e-run", "e2e-fleet", "e2e-sandbox"
+JOURNEY_STEPS = 4  # e2e/manifests/tiny-run.yaml
 MANAGED = "app.kubernetes.io/managed-by=kubestar-operator"
 CHILD_KINDS = ",".join(
     [
@@ -82,6 +83,8 @@ class Journey:
     recorder: Recorder | None = None
     operator_pod: str = ""
     children: list[str] = []
+    # When the fleet was scaled to two engines (time.monotonic()).
+    scaled_up_at: float = 0.0
 
 
 def operator_pods(tools: Tools, settings: Settings) -> list[Obj]:
@@ -342,6 +345,40 @@ def test_image_that_cannot_be_pulled_is_a_condition(tools: Tools, settings: Sett
         )
 
 
+SECOND_ENGINE = f"{FLEET}-engine-1"
+
+
+def engine_port(deployment: Obj) -> int:
+    (port,) = deployment["spec"]["template"]["spec"]["containers"][0]["ports"]
+    return int(port["containerPort"])
+
+
+@needs("chart", "fleet", "run")
+def test_a_second_engine_joins_the_run(tools: Tools, settings: Settings) -> None:
+    """`kubectl scale` the fleet to two engines while the run fine-tunes: on the node's
+    network the second is a Deployment of its own, serving on the next port."""
+    wait_for(
+        "the run to reach SFT",
+        lambda: run_status(tools, settings).get("phase") in ("SFT", "Training", "Succeeded"),
+        timeout=settings.run_timeout,
+        interval=2,
+    )
+    assert run_status(tools, settings)["phase"] != "Succeeded", "the run finished first"
+    namespace = settings.namespace
+    out = tools.kubectl_text("scale", "rolloutfleet", FLEET, "-n", namespace, "--replicas=2")
+    assert "scaled" in out, out
+    Journey.scaled_up_at = time.monotonic()
+    second = wait_for(
+        "the second engine's Deployment",
+        lambda: tools.get("deployment", SECOND_ENGINE, settings.namespace),
+        timeout=60,
+        interval=1,
+    )
+    first = tools.get("deployment", f"{FLEET}-engine-0", settings.namespace)
+    assert first is not None and second["spec"]["replicas"] == 1, second["spec"]
+    assert engine_port(second) == engine_port(first) + 1
+
+
 @needs("chart", "run")
 def test_operator_killed_mid_run_recovers(
     tools: Tools, settings: Settings, request: pytest.FixtureRequest
@@ -401,13 +438,13 @@ asyncio.run(main())
 """
 
 
-def dispatcher_metrics(tools: Tools, settings: Settings, pod: str = "") -> dict[str, float]:
-    """The pool's dispatcher's counters: those of `pod`, or of a pod of its Deployment."""
-    deployment = tools.get("deployment", f"{POOL}-sandbox", settings.namespace)
-    assert deployment is not None
+def metrics_text(tools: Tools, settings: Settings, deployment: str, pod: str = "") -> str:
+    """What the Deployment's pod (or `pod`) serves on its metrics port, read inside it."""
+    live = tools.get("deployment", deployment, settings.namespace)
+    assert live is not None, deployment
     (port,) = [
         p["containerPort"]
-        for p in deployment["spec"]["template"]["spec"]["containers"][0]["ports"]
+        for p in live["spec"]["template"]["spec"]["containers"][0]["ports"]
         if p["name"] == "metrics"
     ]
     script = (
@@ -415,12 +452,15 @@ def dispatcher_metrics(tools: Tools, settings: Settings, pod: str = "") -> dict[
         f"print(urllib.request.urlopen('http://127.0.0.1:{port}/metrics', timeout=10)"
         ".read().decode())"
     )
-    target = f"pod/{pod}" if pod else f"deploy/{POOL}-sandbox"
-    text = tools.kubectl_text(
-        "exec", "-n", settings.namespace, target, "--", "python", "-c", script
-    )
+    target = f"pod/{pod}" if pod else f"deploy/{deployment}"
+    command = ("exec", "-n", settings.namespace, target, "--", "python", "-c", script)
+    return tools.kubectl_text(*command)
+
+
+def dispatcher_metrics(tools: Tools, settings: Settings, pod: str = "") -> dict[str, float]:
+    """The pool's dispatcher's counters: those of `pod`, or of a pod of its Deployment."""
     values: dict[str, float] = {}
-    for line in text.splitlines():
+    for line in metrics_text(tools, settings, f"{POOL}-sandbox", pod).splitlines():
         # Status labels as the sandbox spells them: `ok`, `queue-timeout`, `output-limit`...
         match = re.match(
             r'kubestar_sandbox_(results_total\{status="([\w-]+)"\}|retries_total) (\S+)', line
@@ -428,6 +468,21 @@ def dispatcher_metrics(tools: Tools, settings: Settings, pod: str = "") -> dict[
         if match:
             key = f"results.{match.group(2)}" if match.group(2) else "retries"
             values[key] = float(match.group(3))
+    return values
+
+
+def scheduler_counters(tools: Tools, settings: Settings) -> dict[str, float]:
+    """The fleet's scheduler's counters: `admitted.ENGINE` (turns sent to each engine,
+    retries included), `retried`, `failed.REASON`."""
+    values: dict[str, float] = {}
+    for line in metrics_text(tools, settings, f"{FLEET}-scheduler").splitlines():
+        match = re.match(
+            r'kubestar_scheduler_(admitted|retried|failed)_total(?:\{\w+="([^"]+)"\})? (\S+)',
+            line,
+        )
+        if match:
+            name, label, value = match.groups()
+            values[f"{name}.{label}" if label else name] = float(value)
     return values
 
 
@@ -894,6 +949,92 @@ def test_the_fleet_is_one_openai_endpoint(tools: Tools, settings: Settings) -> N
     assert seen["refused"] is True, seen
 
 
+@needs("chart", "fleet", "run")
+def test_the_fleet_scales_back_to_one_engine_during_a_rollout(
+    tools: Tools, settings: Settings, request: pytest.FixtureRequest
+) -> None:
+    """Once the second engine took turns of the run, scale the fleet back to one while a
+    step rolls out: the second engine's pod is deleted, the scheduler stops sending it turns
+    at once (its pod is terminating) and sends those in flight to the first, then the pod
+    leaves; its Deployment stays at 0. The run goes on: that each step was trained once, on
+    turns of the weights it should have, is checked when it succeeds."""
+    assert Journey.scaled_up_at, "the fleet was never scaled to two engines"
+    namespace = settings.namespace
+    second = (f"{INSTANCE}={FLEET}", f"{COMPONENT}=engine", "kubestar.dev/engine-index=1")
+
+    def second_engine_turns() -> tuple[str, float] | None:
+        admitted = {
+            key.removeprefix("admitted."): value
+            for key, value in scheduler_counters(tools, settings).items()
+            if key.startswith(f"admitted.{SECOND_ENGINE}-") and value > 0
+        }
+        return next(iter(admitted.items()), None)
+
+    engine, turns = wait_for(
+        "the second engine to take turns of the run",
+        second_engine_turns,
+        timeout=settings.run_timeout,
+        interval=2,
+        describe=lambda: json.dumps(
+            {"run": run_status(tools, settings), "pods": pods_and_images(tools, settings)},
+            indent=1,
+        ),
+    )
+    joined = time.monotonic() - Journey.scaled_up_at
+    status = wait_for(
+        "a step's rollout",
+        lambda: (
+            s
+            if (s := run_status(tools, settings)).get("phase") == "Succeeded"
+            or activity(s).startswith("rolling out step")
+            else None
+        ),
+        timeout=settings.run_timeout,
+        interval=0.5,
+    )
+    during = activity(status)
+    assert status["phase"] != "Succeeded", "the run finished before the fleet was scaled down"
+    with at_stake(request, "fleet"):
+        tools.kubectl_text("scale", "rolloutfleet", FLEET, "-n", namespace, "--replicas=1")
+        started = time.monotonic()
+        wait_for(
+            "the second engine's pod to leave",
+            lambda: not tools.items("pods", namespace, *second),
+            timeout=180,
+            interval=1,
+        )
+        left = time.monotonic() - started
+
+        def scaled_down() -> Obj | None:
+            fleet_status = (tools.get("rolloutfleet", FLEET, namespace) or {}).get("status", {})
+            last = fleet_status.get("lastScale") or {}
+            done = (last.get("fromReplicas"), last.get("toReplicas")) == (2, 1)
+            return fleet_status if done and fleet_status.get("readyReplicas") == 1 else None
+
+        fleet_status = wait_for("the fleet's status to say 1 of 1", scaled_down, timeout=60)
+    assert fleet_status["lastScale"]["reason"] == "SpecChanged", fleet_status
+    assert [e["name"] for e in fleet_status["engines"]] == [
+        p["metadata"]["name"]
+        for p in tools.items("pods", namespace, f"{INSTANCE}={FLEET}", f"{COMPONENT}=engine")
+    ]
+    kept = tools.get("deployment", SECOND_ENGINE, namespace)
+    assert kept is not None and kept["spec"]["replicas"] == 0, kept
+    counters = scheduler_counters(tools, settings)
+    settings.notes["elastic_fleet"] = {
+        "second_engine": engine,
+        "its_turns": turns,
+        "first_turn_after_scale_up_seconds": round(joined, 1),
+        "scaled_down_during": during,
+        "pod_gone_after_scale_down_seconds": round(left, 1),
+        "scheduler_counters": counters,
+    }
+    figures(request.config).append(
+        f"elastic fleet: 1 -> 2 engines, the second's first turns {joined:.0f} s after the "
+        f"scale ({turns:.0f} turns); 2 -> 1 during '{during}', its pod gone in {left:.0f} s; "
+        f"turns retried {counters.get('retried', 0):.0f}"
+    )
+
+
 @needs("chart", "fleet", "pool", "run")
 def test_run_succeeds_with_step_metrics_and_checkpoint(
     tools: Tools, settings: Settings, prometheus: Prometheus
@@ -916,11 +1057,11 @@ def test_run_succeeds_with_step_metrics_and_checkpoint(
     training = [s for _, s in recorder.statuses if s.get("phase") == "Training" and s.get("step")]
     assert training, "no status with phase Training and a step was seen"
     assert any((s.get("metrics") or {}).get("reward") is not None for s in training), training
-    assert all(s.get("totalSteps") == 2 for s in training)
+    assert all(s.get("totalSteps") == JOURNEY_STEPS for s in training)
 
     final = run_status(tools, settings)
-    assert final["step"] == final["totalSteps"] == 2, final
-    assert final["stepSummary"] == "2/2"
+    assert final["step"] == final["totalSteps"] == JOURNEY_STEPS, final
+    assert final["stepSummary"] == f"{JOURNEY_STEPS}/{JOURNEY_STEPS}"
     # Progress as Kubeflow Trainer reports a TrainJob's, while it trained and at the end.
     assert any(s.get("progress", {}).get("percentage") == 50 for s in training), training
     progress = final["progress"]
@@ -948,9 +1089,11 @@ def test_run_succeeds_with_step_metrics_and_checkpoint(
     assert (fleet_status.get("weights") or {}).get("path", "").startswith("broadcast://"), (
         fleet_status
     )
-    engines = tools.kubectl_json("get", "deployment", f"{FLEET}-engine", "-n", settings.namespace)
-    mounted = [v["name"] for v in engines["spec"]["template"]["spec"]["volumes"]]
-    assert "checkpoints" not in mounted, mounted
+    for engines in tools.items(
+        "deployments", settings.namespace, f"{INSTANCE}={FLEET}", f"{COMPONENT}=engine"
+    ):
+        mounted = [v["name"] for v in engines["spec"]["template"]["spec"]["volumes"]]
+        assert "checkpoints" not in mounted, mounted
     settings.notes["weights_source"] = fleet_status["weights"]["path"]
 
     # The new operator (after the kill) sees the trainer Job complete (the trainer reports
@@ -972,6 +1115,11 @@ def test_run_succeeds_with_step_metrics_and_checkpoint(
         on_host = settings.checkpoint_host_dir / Path(checkpoint).relative_to(CHECKPOINT_DIR)
         assert on_host.is_dir(), on_host
         assert any(on_host.rglob("*.safetensors")), sorted(on_host.rglob("*"))
+        # Each step trained once, through the fleet's scale to two engines and back; every
+        # turn of step N sampled from weights N-1, those of the engine that joined late too.
+        steps = metrics_log(settings.checkpoint_host_dir, settings.namespace, RUN)
+        assert [s["step"] for s in steps] == list(range(1, JOURNEY_STEPS + 1)), steps
+        assert [s["oldest_weights_version"] for s in steps] == list(range(JOURNEY_STEPS)), steps
     # Every tool call of the run (SFT and rollouts) got a result: none was lost.
     metrics_after = dispatcher_metrics(tools, settings)
     settings.notes["dispatcher_metrics_end"] = metrics_after
@@ -990,7 +1138,9 @@ def test_run_succeeds_with_step_metrics_and_checkpoint(
     watch.stop()
     lines = watch.lines()
     assert lines[0].split()[:4] == ["NAME", "PHASE", "STAGE", "STEP"], lines[:2]
-    assert any(re.search(rf"^{RUN}\s+Training\s+\S+\s+\d/2", line) for line in lines), lines
+    assert any(
+        re.search(rf"^{RUN}\s+Training\s+\S+\s+\d/{JOURNEY_STEPS}", line) for line in lines
+    ), lines
 
 
 def run_was_scraped(tools: Tools, settings: Settings, prometheus: Prometheus) -> None:

@@ -249,8 +249,79 @@ def test_host_network_is_a_setting() -> None:
     pod = build_sandbox.worker_statefulset(pool, spec, settings)["spec"]["template"]["spec"]
     assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert build_sandbox.endpoint("pool", "team", spec, settings) == "127.0.0.1:50051"
-    fleet = build_fleet.engine_deployment(parent("RolloutFleet", "f"), RolloutFleetSpec(), settings)
+    (fleet,) = build_fleet.engine_deployments(
+        parent("RolloutFleet", "f"), RolloutFleetSpec(), settings
+    )
     assert fleet["spec"]["template"]["spec"]["hostNetwork"] is True
+
+
+def test_on_the_host_network_each_engine_is_a_deployment_on_a_port_of_its_own() -> None:
+    """Pods on a node's network share its ports: engine i serves on engine.port + i, from a
+    Deployment of its own, so that a fleet scales on one node; an engine beyond
+    spec.replicas keeps its Deployment at 0 (the operator never deletes)."""
+    fleet = parent("RolloutFleet", "f")
+    spec = RolloutFleetSpec.model_validate({"replicas": 2, "accelerator": "cpu"})
+    host = OperatorSettings.model_validate({"network": {"hostNetwork": True}})
+    engines = build_fleet.engine_deployments(fleet, spec, host)
+    assert [e["metadata"]["name"] for e in engines] == ["f-engine-0", "f-engine-1"]
+    assert [e["spec"]["replicas"] for e in engines] == [1, 1]
+    common = build_fleet.engine_selector("f")
+    for index, engine in enumerate(engines):
+        port = 8000 + index
+        (container,) = containers(engine)
+        assert container["ports"] == [
+            {"name": "http", "containerPort": port, "protocol": "TCP", "hostPort": port}
+        ]
+        assert container["command"][container["command"].index("--port") + 1] == str(port)
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["httpGet"]["port"] == port
+        own = engine["spec"]["selector"]["matchLabels"]
+        labels = engine["spec"]["template"]["metadata"]["labels"]
+        # Each Deployment selects its own pod; the fleet's selector (status.selector, the
+        # scheduler's) all of them.
+        assert own == {**common, build_fleet.LABEL_ENGINE_INDEX: str(index)}
+        assert own.items() <= labels.items() and common.items() <= labels.items()
+        assert engine["metadata"]["labels"][build_fleet.LABEL_ENGINE_INDEX] == str(index)
+    # Scaled down to 1 with 3 engines' Deployments in the cluster: the others at 0.
+    fewer = spec.model_copy(update={"replicas": 1})
+    third = build_fleet.engine_deployment(fleet, spec, host, 2)
+    count = build_fleet.engine_count([*engines, third])
+    assert count == 3
+    kept = build_fleet.engine_deployments(fleet, fewer, host, existing=count)
+    assert [(e["metadata"]["name"], e["spec"]["replicas"]) for e in kept] == [
+        ("f-engine-0", 1),
+        ("f-engine-1", 0),
+        ("f-engine-2", 0),
+    ]
+    children = build_fleet.children(fleet, fewer, host, existing=count)
+    assert [c for c in children if c["metadata"]["name"].startswith("f-engine-")] == kept
+    # With pod networking: one Deployment of every engine, all on engine.port.
+    (one,) = build_fleet.engine_deployments(fleet, spec, OperatorSettings(), existing=3)
+    assert (one["metadata"]["name"], one["spec"]["replicas"]) == ("f-engine", 2)
+    assert one["spec"]["selector"]["matchLabels"] == common
+    assert containers(one)[0]["ports"][0]["containerPort"] == 8000
+    assert build_fleet.engine_count([one]) == 0
+
+
+def test_a_deleted_engine_serves_until_the_scheduler_let_it_go() -> None:
+    """A scale-down or a rolling update deletes an engine pod: it keeps serving for three of
+    the scheduler's discovery rounds (which drop a terminating pod and move its turns)."""
+    engine = build_fleet.engine_deployment(
+        parent("RolloutFleet", "f"), RolloutFleetSpec(), OperatorSettings()
+    )
+    (container,) = containers(engine)
+    pause = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pause == ["sleep", str(build_fleet.ENGINE_DRAIN_SECONDS)]
+    assert build_fleet.ENGINE_DRAIN_SECONDS >= 3 * build_fleet.DISCOVERY_INTERVAL_SECONDS
+    grace = engine["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > build_fleet.ENGINE_DRAIN_SECONDS
+    scheduler = containers(
+        build_fleet.scheduler_deployment(
+            parent("RolloutFleet", "f"), RolloutFleetSpec(), OperatorSettings()
+        )
+    )[0]["command"]
+    interval = scheduler[scheduler.index("--k8s-interval") + 1]
+    assert interval == str(build_fleet.DISCOVERY_INTERVAL_SECONDS)
 
 
 def metrics_ports(obj: dict[str, Any]) -> list[int]:

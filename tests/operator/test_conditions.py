@@ -222,10 +222,11 @@ def test_fleet_status_reports_engines_and_kv_capacity() -> None:
         }
         for i in range(2)
     ]
+    # On the host's network each engine is a Deployment of its own: their ready pods add up.
     status, ready = fleet_status(
         body,
         spec,
-        {"status": {"readyReplicas": 2}},
+        [{"status": {"readyReplicas": 1}}, {"status": {"readyReplicas": 1}}],
         {"status": {"readyReplicas": 1}},
         engines,
         {"f-engine-0": EngineProbe(4096, 0.25), "f-engine-1": EngineProbe(8192, 0.0)},
@@ -246,7 +247,7 @@ def test_fleet_status_reports_engines_and_kv_capacity() -> None:
     status, ready = fleet_status(
         body,
         spec,
-        {"status": {"readyReplicas": 2}},
+        [{"status": {"readyReplicas": 2}}],
         {"status": {"readyReplicas": 1}},
         engines,
         probes,
@@ -260,7 +261,7 @@ def test_fleet_status_reports_engines_and_kv_capacity() -> None:
     _, ready = fleet_status(
         body,
         spec,
-        {"status": {"readyReplicas": 2}},
+        [{"status": {"readyReplicas": 2}}],
         {"status": {"readyReplicas": 1}},
         engines,
         probes,

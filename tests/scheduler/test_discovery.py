@@ -20,9 +20,20 @@ from tests.scheduler.fake_engine import FakeEngine
 PODS = "/api/v1/namespaces/team/pods"
 
 
-def pod(name: str, ip: str, ready: bool = True, phase: str = "Running", **meta: Any) -> Any:
+def pod(
+    name: str,
+    ip: str,
+    ready: bool = True,
+    phase: str = "Running",
+    http_port: int | None = None,
+    **meta: Any,
+) -> Any:
+    ports = [{"name": "metrics", "containerPort": 9100}]
+    if http_port is not None:
+        ports.append({"name": "http", "containerPort": http_port})
     return {
         "metadata": {"name": name, **meta},
+        "spec": {"containers": [{"name": "engine", "ports": ports}]},
         "status": {
             "phase": phase,
             "podIP": ip,
@@ -44,6 +55,35 @@ def test_only_ready_running_pods_become_engines() -> None:
         "engine-0": "http://10.0.0.5:8000",
         "engine-4": "http://[fd00::4]:8000",
     }
+
+
+async def test_engines_on_one_node_are_reached_on_the_ports_their_pods_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a node's network every engine pod has the node's address and a port of its own
+    (the operator's engine i serves on engine.port + i): each is reached on its own."""
+    fakes = [await FakeEngine().start(), await FakeEngine().start()]
+    scheduler = Scheduler([], fast_config())
+    await scheduler.start()
+    with FakeApiServer(Certificate.create(tmp_path)) as server:
+        in_cluster(monkeypatch, tmp_path, server, token="scheduler-token")
+        discovery = KubernetesDiscovery(scheduler, "app=engine", namespace="team", port=1)
+        pods = [pod(f"engine-{i}", "127.0.0.1", http_port=f.port) for i, f in enumerate(fakes)]
+        server.answer("GET", PODS, {"kind": "PodList", "items": pods})
+        try:
+            await discovery.sync()
+            assert discovery.known == {
+                f"engine-{i}": f"http://127.0.0.1:{fake.port}" for i, fake in enumerate(fakes)
+            }
+            assert [(e.name, e.healthy) for e in scheduler.engines()] == [
+                ("engine-0", True),
+                ("engine-1", True),
+            ]
+        finally:
+            await discovery.stop()
+            await scheduler.stop()
+            for fake in fakes:
+                await fake.stop()
 
 
 class LocalDiscovery(KubernetesDiscovery):

@@ -92,7 +92,12 @@ def scheduler() -> None:
     "else $KUBECONFIG or ~/.kube/config).",
 )
 @click.option("--k8s-namespace", default="default", show_default=True)
-@click.option("--k8s-port", default=8000, show_default=True, help="The engines' HTTP port.")
+@click.option(
+    "--k8s-port",
+    default=8000,
+    show_default=True,
+    help="The engines' HTTP port, where a pod names none `http`.",
+)
 @click.option("--k8s-interval", default=5.0, show_default=True, help="Seconds between lists.")
 @click.option("--metrics-port", default=0, help="Prometheus metrics port (0: off).")
 @click.option("--metrics-address", default="127.0.0.1", show_default=True)

@@ -1,6 +1,11 @@
 """Children of a RolloutFleet (pure): a Deployment of vLLM engines, and the KV-aware
 scheduler (Deployment, Service, and a ServiceAccount allowed to list the fleet's pods: it
-discovers the ready engines by label selector).
+discovers the ready engines by label selector, each on the port its pod names `http`).
+
+On the node's network (network.hostNetwork) every engine needs a port of its own, which one
+pod template cannot give: engine i is then a Deployment of its own, serving on
+engine.port + i, so that a fleet still scales to any size on one node. The operator never
+deletes: an engine beyond spec.replicas keeps its Deployment at 0 replicas.
 
 Engines by accelerator: `amd` runs vLLM's ROCm image and asks for `amd.com/gpu`, `nvidia`
 vLLM's CUDA image and `nvidia.com/gpu` (tensorParallelSize GPUs per engine, tolerating the
@@ -19,7 +24,7 @@ engines, which require it on every path but /health, /ping and /metrics.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import Any
 
@@ -35,6 +40,13 @@ GPU_RESOURCE = {"amd": "amd.com/gpu", "nvidia": "nvidia.com/gpu"}
 ENGINE_AUTH_MODULE = "kubestar_engine_auth"
 ENGINE_WEIGHT_SYNC_MODULE = "kubestar_weight_sync"
 ENGINE_MODULES_DIR = "/etc/kubestar/engine-modules"
+# On the host's network: which engine of the fleet a Deployment and its pod are.
+LABEL_ENGINE_INDEX = "kubestar.dev/engine-index"
+# How often the scheduler lists the fleet's pods, and how long a deleted engine keeps
+# serving (its preStop pause): the scheduler stops sending it turns and moves those in flight
+# before the engine stops, so a scale-down or a rolling update costs no turn a retry.
+DISCOVERY_INTERVAL_SECONDS = 2
+ENGINE_DRAIN_SECONDS = 3 * DISCOVERY_INTERVAL_SECONDS
 
 
 def auth_name(fleet: str) -> str:
@@ -46,8 +58,10 @@ def engine_modules_name(fleet: str) -> str:
     return o.child_name(fleet, "engine-modules")
 
 
-def engine_name(fleet: str) -> str:
-    return o.child_name(fleet, "engine")
+def engine_name(fleet: str, index: int | None = None) -> str:
+    """The engines' Deployment, or on the host's network engine `index`'s."""
+    name = o.child_name(fleet, "engine")
+    return name if index is None else f"{name}-{index}"
 
 
 def scheduler_name(fleet: str) -> str:
@@ -56,6 +70,23 @@ def scheduler_name(fleet: str) -> str:
 
 def engine_selector(fleet: str) -> dict[str, str]:
     return o.selector_labels("RolloutFleet", fleet, ENGINE)
+
+
+def engine_selector_text(fleet: str) -> str:
+    """engine_selector as a label selector's text (status.selector, the scheduler's)."""
+    return ",".join(f"{key}={value}" for key, value in engine_selector(fleet).items())
+
+
+def engine_count(deployments: Sequence[Mapping[str, Any]]) -> int:
+    """On the host's network: how many engines have a Deployment (the highest index + 1)."""
+    indices = [
+        int(index)
+        for deployment in deployments
+        if (
+            index := (deployment["metadata"].get("labels") or {}).get(LABEL_ENGINE_INDEX, "")
+        ).isdigit()
+    ]
+    return max(indices, default=-1) + 1
 
 
 def scheduler_endpoint(
@@ -92,12 +123,17 @@ def engine_image(spec: RolloutFleetSpec, settings: OperatorSettings) -> str:
 
 
 def engine_command(
-    spec: RolloutFleetSpec, bind_address: str = "0.0.0.0", auth_token_file: str = ""
+    spec: RolloutFleetSpec,
+    bind_address: str = "0.0.0.0",
+    auth_token_file: str = "",
+    port: int | None = None,
 ) -> list[str]:
     """`auth_token_file`: the engine requires the token in that file (a CPU engine through
     `kubestar engine serve --auth-token-file`, a GPU image through vLLM's --middleware and
-    the copy of the middleware's module in engine_modules_config)."""
+    the copy of the middleware's module in engine_modules_config). `port`: another than
+    spec.engine.port (an engine of its own on the host's network)."""
     engine = spec.engine
+    port = engine.port if port is None else port
     if spec.accelerator == "cpu":
         command = [
             "kubestar",
@@ -108,7 +144,7 @@ def engine_command(
             "--host",
             bind_address,
             "--port",
-            str(engine.port),
+            str(port),
             "--device",
             "cpu",
             "--max-model-len",
@@ -124,7 +160,7 @@ def engine_command(
     settings = EngineSettings(
         model=spec.model.location(),
         host=bind_address,
-        port=engine.port,
+        port=port,
         max_model_len=engine.max_model_len,
         kv_cache_bytes=engine.kv_cache_bytes,
         tensor_parallel_size=engine.tensor_parallel_size,
@@ -189,17 +225,35 @@ ENGINE_ROLLOUT = {
 }
 
 
+def engine_deployments(
+    fleet: Mapping[str, Any], spec: RolloutFleetSpec, settings: OperatorSettings, existing: int = 0
+) -> list[o.Obj]:
+    """The engines' Deployment; on the host's network one per engine, for each of the
+    spec.replicas engines and each of the `existing` ones beyond them (those at 0)."""
+    if not settings.network.host_network:
+        return [engine_deployment(fleet, spec, settings)]
+    count = max(spec.replicas, existing)
+    return [engine_deployment(fleet, spec, settings, index) for index in range(count)]
+
+
 def engine_deployment(
-    fleet: Mapping[str, Any], spec: RolloutFleetSpec, settings: OperatorSettings
+    fleet: Mapping[str, Any],
+    spec: RolloutFleetSpec,
+    settings: OperatorSettings,
+    index: int | None = None,
 ) -> o.Obj:
+    """All the engines, or engine `index` alone (on the host's network: its own port)."""
     name = fleet["metadata"]["name"]
-    port = spec.engine.port
+    port = spec.engine.port + (index or 0)
     container: o.Obj = {
         "name": "engine",
         "image": engine_image(spec, settings),
         "imagePullPolicy": settings.images.pull_policy,
         "command": engine_command(
-            spec, settings.network.bind_address, o.AUTH_TOKEN_FILE if settings.auth.token else ""
+            spec,
+            settings.network.bind_address,
+            o.AUTH_TOKEN_FILE if settings.auth.token else "",
+            port,
         ),
         "env": o.env_list(engine_env(spec)),
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
@@ -230,6 +284,8 @@ def engine_deployment(
             {"name": "tmp", "mountPath": "/tmp"},
         ],
         "securityContext": o.restricted_container_security(read_only_root=False),
+        # A deleted engine serves on until the scheduler has let it go (ENGINE_DRAIN_SECONDS).
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(ENGINE_DRAIN_SECONDS)]}}},
     }
     volumes: list[o.Obj] = [
         {"name": "shm", "emptyDir": {"medium": "Memory"}},
@@ -268,7 +324,7 @@ def engine_deployment(
         },
         "containers": [container],
         "volumes": volumes,
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": ENGINE_DRAIN_SECONDS + 30,
     }
     gpu = GPU_RESOURCE.get(spec.accelerator)
     if gpu:
@@ -281,22 +337,29 @@ def engine_deployment(
             {"name": "engine-modules", "mountPath": ENGINE_MODULES_DIR, "readOnly": True}
         )
         volumes.append({"name": "engine-modules", "configMap": {"name": engine_modules_name(name)}})
+    replicas, strategy = spec.replicas, ENGINE_ROLLOUT
+    selector, labels = engine_selector(name), o.labels("RolloutFleet", name, ENGINE)
+    own: dict[str, str] = {}
+    if index is not None:
+        own = {LABEL_ENGINE_INDEX: str(index)}
+        replicas = 1 if index < spec.replicas else 0
+        strategy = o.single_pod_rollout(host_network=True)
     engines = o.with_hash(
         {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
-            "metadata": o.metadata(fleet, engine_name(name), ENGINE),
+            "metadata": o.metadata(fleet, engine_name(name, index), ENGINE, **own),
             "spec": {
-                "replicas": spec.replicas,
+                "replicas": replicas,
                 # A change (a new image, a chart upgrade) replaces a quarter of the engines
                 # at a time (at least one), the others serving meanwhile; none extra is
                 # started first, since a new engine cannot get GPUs while an old one holds
                 # them.
-                "strategy": ENGINE_ROLLOUT,
-                "selector": {"matchLabels": engine_selector(name)},
+                "strategy": strategy,
+                "selector": {"matchLabels": {**selector, **own}},
                 "template": {
                     "metadata": {
-                        "labels": o.labels("RolloutFleet", name, ENGINE),
+                        "labels": {**labels, **own},
                         "annotations": {
                             "kubestar.dev/served-model-name": SERVED_MODEL_NAME,
                             # vLLM's own metrics (vllm:*) on its serving port.
@@ -362,7 +425,7 @@ def scheduler_deployment(
     name = meta["name"]
     port = spec.scheduler.port
     metrics = settings.metrics_port(settings.ports.scheduler_metrics, port)
-    selector = ",".join(f"{k}={v}" for k, v in engine_selector(name).items())
+    selector = engine_selector_text(name)
     container: o.Obj = {
         "name": "scheduler",
         "image": settings.images.kubestar,
@@ -388,7 +451,7 @@ def scheduler_deployment(
             "--k8s-port",
             str(spec.engine.port),
             "--k8s-interval",
-            "2",
+            str(DISCOVERY_INTERVAL_SECONDS),
             "--metrics-port",
             str(metrics),
             "--metrics-address",
@@ -566,9 +629,9 @@ def is_ip_address(host: str) -> bool:
 
 
 def children(
-    fleet: Mapping[str, Any], spec: RolloutFleetSpec, settings: OperatorSettings
+    fleet: Mapping[str, Any], spec: RolloutFleetSpec, settings: OperatorSettings, existing: int = 0
 ) -> list[o.Obj]:
-    """Everything a RolloutFleet owns, in creation order."""
+    """Everything a RolloutFleet owns, in creation order (`existing`: engine_deployments')."""
     policies = (
         network_policies(fleet, spec, settings)
         if settings.network_policies.enabled and not settings.network.host_network
@@ -583,7 +646,7 @@ def children(
         *policies,
         *auth,
         *modules,
-        engine_deployment(fleet, spec, settings),
+        *engine_deployments(fleet, spec, settings, existing),
         *scheduler_rbac(fleet),
         scheduler_service(fleet, spec),
         scheduler_deployment(fleet, spec, settings),

@@ -82,7 +82,7 @@ def served_weights(
 def fleet_status(
     fleet: Mapping[str, Any],
     spec: RolloutFleetSpec,
-    engines: Mapping[str, Any] | None,
+    engines: Sequence[Mapping[str, Any] | None],
     scheduler: Mapping[str, Any] | None,
     pods: Sequence[Mapping[str, Any]],
     capacities: Capacities | None,
@@ -92,7 +92,7 @@ def fleet_status(
     """(status, Ready condition) the operator writes (pure)."""
     meta = fleet["metadata"]
     generation = meta.get("generation", 0)
-    ready_engines = ready_replicas(engines)
+    ready_engines = sum(ready_replicas(deployment) for deployment in engines)
     scheduler_ready = ready_replicas(scheduler) >= 1
     per_engine = engine_statuses(pods, capacities)
     known = [e.kv_capacity_tokens for e in per_engine if e.kv_capacity_tokens is not None]
@@ -131,9 +131,7 @@ def fleet_status(
         openai_endpoint=build_fleet.openai_endpoint(
             meta["name"], meta["namespace"], spec, settings
         ),
-        selector=",".join(
-            f"{key}={value}" for key, value in build_fleet.engine_selector(meta["name"]).items()
-        ),
+        selector=build_fleet.engine_selector_text(meta["name"]),
         engines=per_engine,
         kv_capacity_tokens=sum(known) if known else None,
         weights=WeightsStatus.model_validate(weights) if weights else None,
@@ -162,21 +160,36 @@ def seen_scale(
     )
 
 
+async def engine_deployments(ctx: Context, fleet: Mapping[str, Any]) -> list[k.Obj]:
+    """The fleet's engine Deployments as they are."""
+    meta = fleet["metadata"]
+    return await ctx.kube.list(
+        k.path("apps/v1", "Deployment", meta["namespace"]),
+        build_fleet.engine_selector_text(meta["name"]),
+    )
+
+
 async def reconcile(ctx: Context, fleet: dict[str, Any]) -> None:
     meta = fleet["metadata"]
     settings = ctx.settings
+    # On the host's network, engines beyond spec.replicas keep their Deployments (at 0).
+    existing = (
+        build_fleet.engine_count(await engine_deployments(ctx, fleet))
+        if settings.network.host_network
+        else 0
+    )
     spec = await reconcile_children(
         ctx,
         fleet,
         RolloutFleetStatus,
         lambda: fleet_spec(fleet, settings),
         lambda spec: build_fleet.spec_problem(spec, settings),
-        lambda spec: build_fleet.children(fleet, spec, settings),
+        lambda spec: build_fleet.children(fleet, spec, settings, existing),
     )
     if spec is None:
         return
     engines, scheduler, pods = await asyncio.gather(
-        ctx.live(build_fleet.engine_deployment(fleet, spec, settings)),
+        engine_deployments(ctx, fleet),
         ctx.live(build_fleet.scheduler_deployment(fleet, spec, settings)),
         ctx.pods(fleet),
     )

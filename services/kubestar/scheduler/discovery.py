@@ -3,8 +3,10 @@
 Lists the pods every `interval` seconds with kubestar's API client (kubestar.common.kube),
 connected as `kube.connect()` says: a kubeconfig when $KUBECONFIG names one, else the pod's
 service account. A pod that turns ready is added as an engine named after the pod
-(`http://<pod IP>:<port>`); one that is deleted or stops being ready is removed, and its turns
-in flight go to the other engines. Engines given statically are never touched.
+(`http://<pod IP>:<port>`, the port its container names `http`, else the one given: on a
+node's network each engine has its own); one that is deleted (as soon as it is terminating,
+while it still serves) or stops being ready is removed, and its turns in flight go to the
+other engines. Engines given statically are never touched.
 
 Tested with recorded pod objects and a stand-in API server (tests/scheduler); against a real
 API server with the operator's end-to-end tests (e2e/), where a RolloutFleet runs engines.
@@ -35,14 +37,24 @@ def _ready(pod: Mapping[str, Any]) -> bool:
     return kube.pod_ready(pod)
 
 
+def http_port(pod: Mapping[str, Any], default: int) -> int:
+    """The port the pod's containers name `http`, else `default`."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == "http" and port.get("containerPort"):
+                return int(port["containerPort"])
+    return default
+
+
 def engines_from_pods(pods: Iterable[Mapping[str, Any]], port: int) -> dict[str, str]:
-    """Engine name -> URL for the ready pods (pods as the API serializes them: camelCase)."""
+    """Engine name -> URL for the ready pods (pods as the API serializes them: camelCase),
+    on each pod's `http` port, else on `port`."""
     engines: dict[str, str] = {}
     for pod in pods:
         if _ready(pod):
             ip = pod["status"]["podIP"]
             host = f"[{ip}]" if ":" in ip else ip
-            engines[pod["metadata"]["name"]] = f"http://{host}:{port}"
+            engines[pod["metadata"]["name"]] = f"http://{host}:{http_port(pod, port)}"
     return engines
 
 
