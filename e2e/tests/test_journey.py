@@ -1152,7 +1152,7 @@ def run_was_scraped(tools: Tools, settings: Settings, prometheus: Prometheus) ->
         f'max(kubestar_trainer_step{{run="{RUN}",{where}}})', prometheus.started
     )
     seen = values(step)
-    assert seen == sorted(seen) and seen[-1] == 2 and 1 in seen, seen
+    assert seen == sorted(seen) and seen[-1] == JOURNEY_STEPS and 1 in seen, seen
     rewards = prometheus.query_range(
         f'kubestar_trainer_reward{{run="{RUN}",{where}}}', prometheus.started
     )
@@ -1231,7 +1231,7 @@ def test_search_on_the_fleet_and_the_pool(tools: Tools, settings: Settings) -> N
 
 
 FAULTS, FULL = "e2e-faults", "e2e-full"
-STEPS = 9  # e2e/manifests/faults-run.yaml
+STEPS = 11  # e2e/manifests/faults-run.yaml
 
 
 def sandbox_answers(tools: Tools, settings: Settings, dispatcher: str) -> float:
@@ -1386,8 +1386,9 @@ def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
             ),
             status,
         )
-        upgraded = {
-            component: wait_for(
+
+        def upgraded_pod(instance: str, component: str) -> str:
+            return wait_for(
                 f"the upgraded {component} pod",
                 functools.partial(
                     faults.pod_with_image,
@@ -1399,23 +1400,22 @@ def test_trainer_scheduler_and_dispatcher_pods_deleted_mid_run_cost_seconds(
                 interval=2,
                 describe=functools.partial(pods_and_images, tools, settings),
             )
-            for instance, component in (
-                (FLEET, "scheduler"),
-                (POOL, "sandbox-dispatcher"),
-                (POOL, "sandbox-worker"),
-            )
-        }
-        settings.notes["upgraded_pods"] = upgraded
 
         # In the middle of a step's tool calls: the first rollout from step 6 on in which
-        # the dispatcher answers calls (the policy does not call the tool in every step), at
-        # the latest the last step's.
-        dispatcher = upgraded["sandbox-dispatcher"]
+        # the upgraded dispatcher answers calls (the policy does not call the tool in every
+        # step), at the latest the last step's. The other upgraded pods are waited for
+        # after: the run may reach its last rollout while they start.
+        dispatcher = upgraded_pod(POOL, "sandbox-dispatcher")
         status, answering = answering_tool_calls(
             faults, tools, settings, dispatcher, first_step=6, last_step=STEPS
         )
         faults.delete("dispatcher", dispatcher, status)
         settings.notes["dispatcher_deleted_answering_calls"] = answering
+        upgraded = {
+            "sandbox-dispatcher": dispatcher,
+            **{c: upgraded_pod(i, c) for i, c in ((FLEET, "scheduler"), (POOL, "sandbox-worker"))},
+        }
+        settings.notes["upgraded_pods"] = upgraded
 
         final = finished_status(
             tools, settings, FAULTS, "the run with faults to finish", settings.run_timeout

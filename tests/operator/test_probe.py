@@ -1,21 +1,28 @@
-"""The fleet status's KV capacity and weights come from the rollout scheduler
-(GetSchedulerStatus): `scheduler_probe` against a real `kubestar scheduler serve` process
-fronting a stand-in engine that answers /health, /metrics and the weight reload the way vLLM
-does. The operator only reports the weights; the trainer pushes them (again after a restart:
-tests/training/test_resilience.py)."""
+"""The fleet status's KV capacity and weights, and spec.autoscaling's metric, come from the
+rollout scheduler (GetSchedulerStatus): `scheduler_probe` against a real `kubestar scheduler
+serve` process (or server) fronting a stand-in engine that answers /health, /metrics and the
+weight reload the way vLLM does. The operator only reports the weights; the trainer pushes
+them (again after a restart: tests/training/test_resilience.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 
 import pytest
 from aiohttp import web
+from kubestar.api.v1alpha1 import AutoscalingSpec
 from kubestar.common.net import free_port
 from kubestar.engine.weight_sync import ROUTE
+from kubestar.operator.autoscaler import decide, metric_value
 from kubestar.operator.main import scheduler_probe
 from kubestar.scheduler.client import SchedulerClient
+from kubestar.scheduler.server import SchedulerServer, ServerConfig
+
+from tests.scheduler.conftest import fast_config
+from tests.scheduler.fake_engine import FakeEngine
 
 METRICS = """# TYPE vllm:cache_config_info gauge
 vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="257"} 1.0
@@ -99,3 +106,44 @@ async def test_probe_reads_capacity_and_weights(engine: str) -> None:
     finally:
         process.terminate()
         await asyncio.wait_for(process.wait(), 30)
+
+
+async def test_turns_queued_on_a_real_scheduler_scale_an_autoscaled_fleet_up() -> None:
+    """spec.autoscaling's queuedTurns read as the operator reads it: turns wait for KV room
+    behind one engine of a real scheduler's gRPC server, the operator's probe reports them,
+    and the autoscaler asks for the engines the HorizontalPodAutoscaler's rule gives."""
+    # 17 blocks of 16 tokens: one turn of 64 + 128 tokens (12 blocks) fits at a time.
+    engine = await FakeEngine(num_blocks=17, token_delay=0.05).start()
+    config = ServerConfig(
+        listen=f"127.0.0.1:{free_port()}",
+        engines=[("fleet-engine-0", engine.url)],
+        scheduler=fast_config(),
+    )
+    server = SchedulerServer(config)
+    await server.start()
+    endpoint = config.listen
+    spec = AutoscalingSpec(min_replicas=1, max_replicas=4, target=1)
+    try:
+        async with SchedulerClient(endpoint, timeout=60) as client:
+            turns = [
+                asyncio.create_task(client.generate(f"t{i}", list(range(64)), 128))
+                for i in range(5)
+            ]
+            probe = None
+            for _ in range(200):
+                probe = await scheduler_probe(endpoint, "default")
+                if probe is not None and probe.queued >= 3:
+                    break
+                await asyncio.sleep(0.05)
+            assert probe is not None and probe.queued >= 3, probe
+            value = metric_value(spec, probe, ready=1)
+            assert value == probe.queued
+            decision = decide(spec, 1, 1, value, None, datetime.now(UTC))
+            assert decision.replicas == min(probe.queued, 4) > 1
+            assert decision.message.startswith(f"queuedTurns {probe.queued}")
+            for turn in turns:
+                turn.cancel()
+            await asyncio.gather(*turns, return_exceptions=True)
+    finally:
+        await server.stop(grace_seconds=0)
+        await engine.stop()
