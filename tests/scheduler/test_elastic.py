@@ -172,7 +172,7 @@ async def test_a_scale_event_mid_rollout_loses_and_duplicates_nothing(
         # leaves; they go on on the late engine, from the segments already done.
         first.paused = True
         await wait_for(lambda: bool(first.running))
-        retried = scheduler.retried_total
+        retried, moved = scheduler.retried_total, moved_total(scheduler)
         await fleet.remove("first")
         taken = turns(first)
         results = await work
@@ -186,11 +186,15 @@ async def test_a_scale_event_mid_rollout_loses_and_duplicates_nothing(
     assert results == expected
     for output, segments in (turn for trajectory in expected for turn in trajectory):
         assert len(output) == NEW and segments == output
-    # The turns under way on the removed engine were sent again, and it got none afterwards;
-    # the late engine took turns.
-    assert scheduler.retried_total > retried
+    # The turns under way on the removed engine moved (no attempt spent: nothing failed),
+    # and it got none afterwards; the late engine took turns.
+    assert moved_total(scheduler) > moved and scheduler.retried_total == retried
     assert turns(first) == taken
     assert turns(late) > 0
+
+
+def moved_total(scheduler: Scheduler) -> float:
+    return scheduler.metrics.registry.get_sample_value("kubestar_scheduler_moved_total") or 0.0
 
 
 def loads_before_first_turn(engine: FakeEngine) -> list[tuple[str, str]]:

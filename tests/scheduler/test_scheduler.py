@@ -240,7 +240,11 @@ async def test_engines_added_and_removed_at_run_time(
     first = "e0" if fakes[0].running else "late"
     await scheduler.remove_engine(first)
     response = await work
-    assert response.attempts == 2 and response.engine != first
+    # Its turn moved to the other engine: not a failed attempt.
+    assert response.attempts == 1 and response.engine != first
+    assert scheduler.status().retried == 0
+    moved = scheduler.metrics.registry.get_sample_value("kubestar_scheduler_moved_total")
+    assert moved == 1
     assert [e.name for e in scheduler.status().engines] == [n for n in ("e0", "late") if n != first]
     with pytest.raises(UnknownEngine):
         await scheduler.remove_engine(first)

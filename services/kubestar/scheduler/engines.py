@@ -104,27 +104,29 @@ class Engines:
                 task.cancel()
 
     async def remove(self, name: str) -> None:
-        """Take an engine out now; its turns in flight are sent again elsewhere."""
+        """Take an engine out now (a scale-down, a pod going away): its turns in flight move
+        to the other engines, first in the queue, with the segments they finished; a move
+        is not a failed attempt."""
         engine = self.by_name.pop(name, None)
         if engine is None:
             raise UnknownEngine(f"no engine named {name!r}")
         log.info("engine removed", extra={"fields": {"engine": name}})
         self.capacity_changed = True
-        await self._close(engine, retry=True)
+        await self._close(engine, move=True)
 
     async def remove_all(self) -> None:
         """Stop watching every engine and close its connection; its turns fail."""
         engines = list(self.by_name.values())
         self.by_name.clear()
-        await asyncio.gather(*(self._close(e, retry=False) for e in engines))
+        await asyncio.gather(*(self._close(e, move=False) for e in engines))
 
-    async def _close(self, engine: Engine, retry: bool) -> None:
+    async def _close(self, engine: Engine, move: bool) -> None:
         engine.state.removing = True
         engine.state.healthy = False
         self._drop_affinity(engine)
         tasks = [t.task for t in engine.turns if t.task is not None]
         for turn in list(engine.turns):
-            turn.retry_on_cancel = retry
+            turn.moving = move
             if turn.task is not None:
                 turn.task.cancel()
         if engine.watcher is not None:

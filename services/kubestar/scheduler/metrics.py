@@ -75,7 +75,8 @@ class SchedulerMetrics:
         )
         self.moved = Counter(
             f"{PREFIX}_moved",
-            "Segments restarted on an idle engine, taken from a much slower one (kv-aware)",
+            "Segments restarted on another engine: taken from a much slower one (kv-aware) "
+            "or from one taken out of the fleet",
             registry=r,
         )
         self.completed = Counter(f"{PREFIX}_completed", "Turns generated", registry=r)

@@ -38,9 +38,10 @@ class Turn:
     attempts: int = 0
     reserved: int = 0
     task: asyncio.Task[None] | None = None
-    # Set before cancelling the turn's task when its engine failed or was removed.
+    # Set before cancelling the turn's task when its engine failed (an attempt spent).
     retry_on_cancel: bool = False
-    # Set before cancelling the turn's task to restart its segment on an idle engine.
+    # Set before cancelling the turn's task to restart its segment on another engine: an
+    # idle one, or any when its own was removed (no attempt spent).
     moving: bool = False
     # When its current admission was sent (monotonic seconds).
     sent_at: float = 0.0

@@ -294,7 +294,7 @@ class Scheduler:
             self._finish(turn, engine, 0)
             moving, turn.moving = turn.moving, False
             if moving and not self._draining and not turn.future.done():
-                # To an idle engine: first in the queue, not a failed attempt.
+                # To another engine: first in the queue, not a failed attempt.
                 turn.queued_since = time.monotonic()
                 self._queue.appendleft(turn)
                 self.metrics.moved.inc()
@@ -494,7 +494,7 @@ class Scheduler:
         await self._engines.wait_first_probes([self._engines.add(name, url)])
 
     async def remove_engine(self, name: str) -> None:
-        """Take an engine out now; its turns in flight are sent again elsewhere."""
+        """Take an engine out now; its turns in flight move to the others."""
         await self._engines.remove(name)
         self._update_availability()
         self._dispatch()
