@@ -1003,18 +1003,23 @@ def test_the_fleet_scales_back_to_one_engine_during_a_rollout(
         )
         left = time.monotonic() - started
 
+        engines = [
+            p["metadata"]["name"]
+            for p in tools.items("pods", namespace, f"{INSTANCE}={FLEET}", f"{COMPONENT}=engine")
+        ]
+
         def scaled_down() -> Obj | None:
             fleet_status = (tools.get("rolloutfleet", FLEET, namespace) or {}).get("status", {})
             last = fleet_status.get("lastScale") or {}
             done = (last.get("fromReplicas"), last.get("toReplicas")) == (2, 1)
-            return fleet_status if done and fleet_status.get("readyReplicas") == 1 else None
+            listed = [e["name"] for e in fleet_status.get("engines") or []]
+            one = fleet_status.get("readyReplicas") == 1 and listed == engines
+            return fleet_status if done and one else None
 
-        fleet_status = wait_for("the fleet's status to say 1 of 1", scaled_down, timeout=60)
-    assert fleet_status["lastScale"]["reason"] == "SpecChanged", fleet_status
-    assert [e["name"] for e in fleet_status["engines"]] == [
-        p["metadata"]["name"]
-        for p in tools.items("pods", namespace, f"{INSTANCE}={FLEET}", f"{COMPONENT}=engine")
-    ]
+        fleet_status = wait_for(
+            "the fleet's status to list its one engine", scaled_down, timeout=60, interval=1
+        )
+    assert len(engines) == 1 and fleet_status["lastScale"]["reason"] == "SpecChanged"
     kept = tools.get("deployment", SECOND_ENGINE, namespace)
     assert kept is not None and kept["spec"]["replicas"] == 0, kept
     counters = scheduler_counters(tools, settings)
@@ -1178,7 +1183,7 @@ def run_was_scraped(tools: Tools, settings: Settings, prometheus: Prometheus) ->
         logged
     )
     report = (out / "report" / "report.md").read_text()
-    assert "Phase **Succeeded**, step 2 of 2" in report, report
+    assert f"Phase **Succeeded**, step {JOURNEY_STEPS} of {JOURNEY_STEPS}" in report, report
 
 
 SEARCH_PROBLEMS, SEARCH_CHILDREN = 3, 4
