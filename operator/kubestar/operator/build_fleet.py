@@ -354,7 +354,8 @@ def engine_deployment(
                 # A change (a new image, a chart upgrade) replaces a quarter of the engines
                 # at a time (at least one), the others serving meanwhile; none extra is
                 # started first, since a new engine cannot get GPUs while an old one holds
-                # them.
+                # them. On the host's network each engine's Deployment replaces its one pod,
+                # the old first (the new one needs its port).
                 "strategy": strategy,
                 "selector": {"matchLabels": {**selector, **own}},
                 "template": {

@@ -172,12 +172,10 @@ async def engine_deployments(ctx: Context, fleet: Mapping[str, Any]) -> list[k.O
 async def reconcile(ctx: Context, fleet: dict[str, Any]) -> None:
     meta = fleet["metadata"]
     settings = ctx.settings
-    # On the host's network, engines beyond spec.replicas keep their Deployments (at 0).
-    existing = (
-        build_fleet.engine_count(await engine_deployments(ctx, fleet))
-        if settings.network.host_network
-        else 0
-    )
+    # Listed once: on the host's network, engines beyond spec.replicas keep their
+    # Deployments (at 0); their ready pods make the status (a change of them is a new event).
+    engines = await engine_deployments(ctx, fleet)
+    existing = build_fleet.engine_count(engines) if settings.network.host_network else 0
     spec = await reconcile_children(
         ctx,
         fleet,
@@ -188,8 +186,7 @@ async def reconcile(ctx: Context, fleet: dict[str, Any]) -> None:
     )
     if spec is None:
         return
-    engines, scheduler, pods = await asyncio.gather(
-        engine_deployments(ctx, fleet),
+    scheduler, pods = await asyncio.gather(
         ctx.live(build_fleet.scheduler_deployment(fleet, spec, settings)),
         ctx.pods(fleet),
     )
