@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from e2e.tests.kube import CommandFailed, Obj, Tools, wait_for
+from e2e.tests.kube import CommandFailed, Obj, Tools, pod_ready, wait_for
 
 INSTANCE = "app.kubernetes.io/instance"
 COMPONENT = "app.kubernetes.io/component"
@@ -123,13 +123,14 @@ class Injector:
         return fault
 
     def pod_with_image(self, image: str, *selectors: str) -> str | None:
-        """The one running pod of `selectors`, once every pod of them runs `image`."""
+        """The one ready pod of `selectors` (serving, not only started), once every pod of them
+        runs `image`."""
         pods = [
             pod
             for pod in self.tools.items("pods", self.namespace, *selectors)
             if not pod["metadata"].get("deletionTimestamp")
         ]
-        running = [p for p in pods if (p.get("status") or {}).get("phase") == "Running"]
+        running = [p for p in pods if pod_ready(p)]
         if len(pods) != 1 or len(running) != 1:
             return None
         images = {c["image"] for c in running[0]["spec"]["containers"]}

@@ -204,3 +204,11 @@ class Recorder(threading.Thread):
             )
             + "\n"
         )
+
+
+def pod_ready(pod: Obj) -> bool:
+    """Whether the pod's Ready condition is True: its probes pass, not only its containers run."""
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in (pod.get("status") or {}).get("conditions") or []
+    )

@@ -43,7 +43,7 @@ from e2e.tests.faults import (
     cost_lines,
     metrics_log,
 )
-from e2e.tests.kube import Obj, Recorder, Tools, Watch, condition, wait_for
+from e2e.tests.kube import Obj, Recorder, Tools, Watch, condition, pod_ready, wait_for
 from e2e.tests.prometheus import Prometheus, values
 from e2e.tests.rehearsal import json_lines as rehearsal_log_lines
 from e2e.tests.rehearsal import manifest as rehearsal_manifest
@@ -99,13 +99,6 @@ def operator_pods(tools: Tools, settings: Settings) -> list[Obj]:
         for pod in tools.items("pods", settings.system_namespace, selector)
         if not pod["metadata"].get("deletionTimestamp")
     ]
-
-
-def pod_ready(pod: Obj) -> bool:
-    return any(
-        c.get("type") == "Ready" and c.get("status") == "True"
-        for c in (pod.get("status") or {}).get("conditions") or []
-    )
 
 
 def run_status(tools: Tools, settings: Settings, name: str = RUN) -> Obj:

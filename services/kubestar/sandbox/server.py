@@ -87,11 +87,12 @@ class SandboxServer:
         pb_grpc.add_SandboxServiceServicer_to_server(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(self.config.listen)
+        # Metrics first: a probe that finds the gRPC port open can read them.
+        if self.config.metrics_port:
+            start_metrics_server(self.config.metrics_port, self.config.metrics_address)
         await self.server.start()
         if self.http is not None:
             await self.http.start()
-        if self.config.metrics_port:
-            start_metrics_server(self.config.metrics_port, self.config.metrics_address)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         role = "dispatcher" if self.config.workers else "worker"

@@ -187,6 +187,11 @@ class SchedulerServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(self.config.listen)
         await self.scheduler.start()
+        # Metrics first: a probe that finds the gRPC port open can read them.
+        if self.config.metrics_port:
+            start_metrics_server(
+                self.config.metrics_port, self.config.metrics_address, self.metrics.registry
+            )
         await self.server.start()
         if self.config.discovery is not None and self.config.discovery.selector:
             d = self.config.discovery
@@ -196,10 +201,6 @@ class SchedulerServer:
             self.discovery.start()
         if self.openai is not None:
             await self.openai.start()
-        if self.config.metrics_port:
-            start_metrics_server(
-                self.config.metrics_port, self.config.metrics_address, self.metrics.registry
-            )
         log.info(
             "scheduler serving",
             extra={

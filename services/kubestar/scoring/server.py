@@ -188,11 +188,12 @@ class ScoringServer:
         pb_grpc.add_ScoringServiceServicer_to_server(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(self.config.listen)
-        await self.server.start()
+        # Metrics first: a probe that finds the gRPC port open can read them.
         if self.config.metrics_port:
             start_metrics_server(
                 self.config.metrics_port, self.config.metrics_address, self.metrics.registry
             )
+        await self.server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
