@@ -250,6 +250,40 @@ async def test_engines_added_and_removed_at_run_time(
         await scheduler.remove_engine(first)
 
 
+async def test_a_turn_whose_engines_keep_leaving_under_it_runs_out_of_attempts(
+    fakes: list[FakeEngine], make_scheduler: MakeScheduler
+) -> None:
+    # A scale-down moves a turn for free; a turn that crashes every engine it meets looks the
+    # same to discovery, and must not go round the fleet for ever.
+    scheduler = await make_scheduler(fakes[:1], max_attempts=2)
+    fakes[0].token_delay = 0.2
+    work = asyncio.ensure_future(scheduler.generate("t", PROMPT, 40))
+
+    def admitted(engine: str) -> float:
+        value = scheduler.metrics.registry.get_sample_value(
+            "kubestar_scheduler_admitted_total", {"engine": engine}
+        )
+        return value or 0.0
+
+    names = ["e0"]
+    for _ in range(6):
+        await wait_for(lambda: admitted(names[-1]) == 1 or work.done())
+        if work.done():
+            break
+        names.append(f"e{len(names)}")
+        await scheduler.add_engine(names[-1], fakes[0].url)
+        await scheduler.remove_engine(names[-2])
+    assert work.done(), "the turn still runs after 6 removals"
+    with pytest.raises(NoEngineAvailable, match="failed on 2 engines; last: engine e3 was removed"):
+        await work
+    # Two removals moved it for free, the third spent its second attempt, the fourth failed it.
+    assert len(names) == 5
+    registry = scheduler.metrics.registry
+    assert registry.get_sample_value("kubestar_scheduler_moved_total") == 2
+    assert scheduler.status().retried == 1
+    assert registry.get_sample_value("kubestar_scheduler_failed_total", {"reason": "attempts"}) == 1
+
+
 async def test_update_weights_waits_for_turns_in_flight_and_holds_new_ones(
     fakes: list[FakeEngine], make_scheduler: MakeScheduler
 ) -> None:

@@ -127,6 +127,7 @@ class Engines:
         tasks = [t.task for t in engine.turns if t.task is not None]
         for turn in list(engine.turns):
             turn.moving = move
+            turn.removals += 1 if move else 0
             if turn.task is not None:
                 turn.task.cancel()
         if engine.watcher is not None:

@@ -43,6 +43,8 @@ class Turn:
     # Set before cancelling the turn's task to restart its segment on another engine: an
     # idle one, or any when its own was removed (no attempt spent).
     moving: bool = False
+    # Engines removed while it ran on them: moves past `max_attempts` spend attempts.
+    removals: int = 0
     # When its current admission was sent (monotonic seconds).
     sent_at: float = 0.0
     # What the segments done so far generated.

@@ -294,10 +294,16 @@ class Scheduler:
             self._finish(turn, engine, 0)
             moving, turn.moving = turn.moving, False
             if moving and not self._draining and not turn.future.done():
-                # To another engine: first in the queue, not a failed attempt.
-                turn.queued_since = time.monotonic()
-                self._queue.appendleft(turn)
-                self.metrics.moved.inc()
+                if turn.removals > self.config.max_attempts:
+                    # Its engines keep leaving under it (a turn that crashes each engine it
+                    # meets, when discovery sees the crash first): no longer free.
+                    removed = f"engine {engine.state.name} was removed under it"
+                    self._requeue(turn, f"{removed} ({turn.removals} engines so far)")
+                else:
+                    # To another engine: first in the queue, not a failed attempt.
+                    turn.queued_since = time.monotonic()
+                    self._queue.appendleft(turn)
+                    self.metrics.moved.inc()
                 self._dispatch()
                 return
             if turn.retry_on_cancel:
