@@ -82,11 +82,3 @@ def make_batch(
         if response_logprobs is not None and len(response_logprobs[i]) == r:
             sampling[i, p - 1 : p - 1 + r] = torch.tensor(response_logprobs[i])
     return TokenBatch(input_ids, attention_mask, loss_mask, sampling)
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each next token.  logits: [B, L, V] -> [B, L-1]."""
-    logits = logits[:, :-1, :].float()
-    targets = input_ids[:, 1:].unsqueeze(-1)
-    # logsumexp instead of a full log_softmax: one [B, L-1, V] tensor less in memory.
-    return torch.gather(logits, -1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kubestar.training.batch import TokenBatch, pad_rows, token_logprobs
+from kubestar.training.batch import TokenBatch, pad_rows
 from kubestar.training.distributed import (
     SINGLE,
     ShardingConfig,
@@ -28,6 +28,7 @@ from kubestar.training.distributed import (
 )
 from kubestar.training.grpo import GrpoConfig, grpo_loss
 from kubestar.training.loading import load_model
+from kubestar.training.logprobs import model_token_logprobs
 from kubestar.training.weights import DEFAULT_BUCKET_BYTES, WeightsWritten, write_weights
 
 
@@ -52,8 +53,11 @@ class Policy:
         world: World = SINGLE,
         sharding: ShardingConfig | None = None,
         precision: str = "auto",
+        chunked_logprobs: bool = True,
     ) -> None:
-        """`precision`: trainer.precision (auto, bf16 or fp32; `compute_dtype`)."""
+        """`precision`: trainer.precision (auto, bf16 or fp32; `compute_dtype`).
+        `chunked_logprobs`: log-probabilities a chunk of positions at a time, never the full
+        logits (False: the full-logits path, kept to measure against)."""
         torch.manual_seed(seed)
         self.source = Path(model_path)
         self.world = world
@@ -72,6 +76,7 @@ class Policy:
         )
         self.optimizer_config = optimizer
         self.micro_batch_size = micro_batch_size
+        self.chunked_logprobs = chunked_logprobs
         self.optimizer = self._new_optimizer(optimizer.learning_rate)
 
     def _new_optimizer(self, learning_rate: float) -> torch.optim.AdamW:
@@ -110,8 +115,10 @@ class Policy:
         # parameters already are); the weights themselves stay fp32 either way.
         mixed = not self.world.sharded and self.compute_dtype != torch.float32
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=mixed):
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
-        logprobs = token_logprobs(logits, input_ids)  # [b, width-1]
+            # [b, width-1]; chunked, the full logits never exist (kubestar.training.logprobs)
+            logprobs = model_token_logprobs(
+                self.model, input_ids, attention_mask, chunked=self.chunked_logprobs
+            )
         return torch.nn.functional.pad(logprobs, (0, batch.loss_mask.shape[1] - (width - 1)))
 
     @torch.no_grad()
