@@ -128,6 +128,7 @@ def test_gpu_engines_load_copies_of_the_middleware_and_the_weights_route(acceler
     assert_mounted(engines, "fleet-fleet-auth", flagged=False)
     (container,) = pod_of(engines)["containers"]
     command = container["command"]
+    command = command[command.index("--") + 1 :]  # after the check of the engine's GPUs
     assert command[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
     middleware = [command[i + 1] for i, arg in enumerate(command) if arg == "--middleware"]
     # The token is checked first: vLLM makes the last middleware the outermost.
@@ -149,7 +150,11 @@ def test_gpu_engines_load_copies_of_the_middleware_and_the_weights_route(acceler
     config = children["ConfigMap/fleet-engine-modules"]
     volume = {"name": "engine-modules", "configMap": {"name": "fleet-engine-modules"}}
     assert volume in pod_of(engines)["volumes"]
-    assert sorted(config["data"]) == ["kubestar_engine_auth.py", "kubestar_weight_sync.py"]
+    assert sorted(config["data"]) == [
+        "kubestar_accelerators.py",
+        "kubestar_engine_auth.py",
+        "kubestar_weight_sync.py",
+    ]
     assert "class BearerTokenMiddleware" in config["data"]["kubestar_engine_auth.py"]
     assert "class WeightSyncExtension" in config["data"]["kubestar_weight_sync.py"]
 
@@ -162,7 +167,7 @@ def test_the_engine_module_copies_import_with_the_standard_library_alone(tmp_pat
     (tmp_path / "token").write_text(TOKEN)
     # The weights module imports torch where it is used, not to be imported.
     probe = (
-        "import kubestar_engine_auth as m, kubestar_weight_sync as w; "
+        "import kubestar_accelerators, kubestar_engine_auth as m, kubestar_weight_sync as w; "
         "m.BearerTokenMiddleware(lambda *a: None); w.WeightRoutes(lambda *a: None)"
     )
     done = subprocess.run(

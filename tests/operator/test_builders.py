@@ -394,7 +394,11 @@ def test_engines_by_accelerator(accelerator: str, resource: str | None, image: s
     assert "VLLM_SERVER_DEV_MODE" not in env  # weights come through kubestar's route
     if resource:
         assert engine["resources"]["limits"] == {resource: "2"}
-        assert command[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+        assert command[command.index("--") + 1 :][:3] == [
+            "python3",
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+        ]
         assert command[command.index("--tensor-parallel-size") + 1] == "2"
         tolerations = deployment["spec"]["template"]["spec"]["tolerations"]
         assert tolerations[0]["key"] == resource

@@ -39,6 +39,9 @@ GPU_RESOURCE = {"amd": "amd.com/gpu", "nvidia": "nvidia.com/gpu"}
 # GPU engines import kubestar's engine modules from a ConfigMap: their names there, its folder.
 ENGINE_AUTH_MODULE = "kubestar_engine_auth"
 ENGINE_WEIGHT_SYNC_MODULE = "kubestar_weight_sync"
+# Runs before vLLM: checks that torch sees the engine's GPUs (kubestar.common.accelerators).
+ENGINE_ACCELERATORS_MODULE = "kubestar_accelerators"
+TERMINATION_LOG = "/dev/termination-log"
 ENGINE_MODULES_DIR = "/etc/kubestar/engine-modules"
 # On the host's network: which engine of the fleet a Deployment and its pod are.
 LABEL_ENGINE_INDEX = "kubestar.dev/engine-index"
@@ -173,7 +176,10 @@ def engine_command(
         auth_middleware=f"{ENGINE_AUTH_MODULE}.BearerTokenMiddleware",
         weight_sync_module=ENGINE_WEIGHT_SYNC_MODULE,
     )
-    return settings.command()
+    # An engine whose torch does not see its GPUs states AcceleratorUnavailable and exits
+    # instead of starting vLLM.
+    check = ["python3", "-m", ENGINE_ACCELERATORS_MODULE, "--termination-log", TERMINATION_LOG]
+    return [*check, "--", *settings.command()]
 
 
 def engine_env(spec: RolloutFleetSpec) -> dict[str, str]:
@@ -258,6 +264,8 @@ def engine_deployment(
         "env": o.env_list(engine_env(spec)),
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         "resources": engine_resources(spec),
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "File",
         "startupProbe": {
             "httpGet": {"path": "/health", "port": port},
             "periodSeconds": 10,
@@ -307,6 +315,7 @@ def engine_deployment(
         volumes.append(shared.volume("checkpoints", read_only=True))
     if settings.network.host_network:
         container["ports"][0]["hostPort"] = port
+    o.with_accelerator_env(container)
     # Pod Security Standard "restricted". The trainers' uid: engines read the weights the
     # trainers write. GPU images that expect root need their devices readable by it (the
     # NVIDIA runtime does that; ROCm's /dev/kfd and /dev/dri want the video and render
@@ -378,11 +387,16 @@ def engine_deployment(
 def engine_modules_config(fleet: Mapping[str, Any], auth: bool = True) -> o.Obj:
     """kubestar's engine modules as GPU engines import them (their images have vLLM but not
     kubestar): the weights route and worker extension (kubestar.engine.weight_sync, which
-    imports torch where it uses it) and, with `auth`, the auth middleware
+    imports torch where it uses it), the check of the engine's GPUs that runs before vLLM
+    (kubestar.common.accelerators) and, with `auth`, the auth middleware
     (kubestar.engine.auth_middleware, standard library only)."""
     name = fleet["metadata"]["name"]
     package = resources.files("kubestar.engine")
-    data = {f"{ENGINE_WEIGHT_SYNC_MODULE}.py": package.joinpath("weight_sync.py").read_text()}
+    common = resources.files("kubestar.common")
+    data = {
+        f"{ENGINE_WEIGHT_SYNC_MODULE}.py": package.joinpath("weight_sync.py").read_text(),
+        f"{ENGINE_ACCELERATORS_MODULE}.py": common.joinpath("accelerators.py").read_text(),
+    }
     if auth:
         data[f"{ENGINE_AUTH_MODULE}.py"] = package.joinpath("auth_middleware.py").read_text()
     return o.with_hash(

@@ -301,6 +301,8 @@ def _pod_spec(
         container["volumeMounts"].append(
             {"name": "data", "mountPath": spec.trainer.data_mount_path, "readOnly": True}
         )
+    # Each rank checks that torch sees the GPUs the pod was given (AcceleratorUnavailable).
+    o.with_accelerator_env(container)
     uid = settings.trainer.run_as_user
     pod: o.Obj = {
         "serviceAccountName": trainer_name(name),

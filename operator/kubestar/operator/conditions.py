@@ -29,14 +29,20 @@ STUCK_WAITING = {
 # ("IsolationUnavailable: ..."): more precise than the crash loop or the exit code.
 STATED_REASONS = {
     Reason.ISOLATION_UNAVAILABLE,
+    Reason.ACCELERATOR_UNAVAILABLE,
     Reason.CHECKPOINT_VOLUME_FULL,
     Reason.TOO_FEW_PROBLEMS,
 }
 # Stated reasons no retry of the pod can fix: a trainer that states one has failed.
-FINAL_REASONS = {Reason.CHECKPOINT_VOLUME_FULL, Reason.TOO_FEW_PROBLEMS}
+FINAL_REASONS = {
+    Reason.CHECKPOINT_VOLUME_FULL,
+    Reason.TOO_FEW_PROBLEMS,
+    Reason.ACCELERATOR_UNAVAILABLE,
+}
 # Worst first: the reason a condition shows when several pods have problems.
 SEVERITY = [
     Reason.ISOLATION_UNAVAILABLE,
+    Reason.ACCELERATOR_UNAVAILABLE,
     Reason.CHECKPOINT_VOLUME_FULL,
     Reason.TOO_FEW_PROBLEMS,
     Reason.OOM_KILLED,
@@ -89,8 +95,8 @@ def stated_reason(terminated: Mapping[str, Any]) -> tuple[str, str] | None:
 
 def diagnose_pod(pod: Mapping[str, Any]) -> list[Problem]:
     """Why a pod is not (or will not be) running: a reason its container stated on exit
-    (IsolationUnavailable, CheckpointVolumeFull), image pulls, crash loops, OOM kills,
-    scheduling (with lack of GPUs named as such)."""
+    (IsolationUnavailable, AcceleratorUnavailable, CheckpointVolumeFull), image pulls, crash
+    loops, OOM kills, scheduling (with lack of GPUs named as such)."""
     name = pod.get("metadata", {}).get("name", "?")
     status = pod.get("status") or {}
     problems: list[Problem] = []

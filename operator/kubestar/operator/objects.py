@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kubestar.api.v1alpha1 import API_VERSION, MODEL_MOUNT, ModelSource
+from kubestar.common import accelerators
 from kubestar.common.auth import ENV_TOKEN_FILE, namespace_token
 
 Obj = dict[str, Any]
@@ -278,6 +279,30 @@ def listen_address(host: str, port: int) -> str:
 
 def env_list(values: Mapping[str, str]) -> list[Obj]:
     return [{"name": k, "value": v} for k, v in values.items()]
+
+
+def gpus(resources: Mapping[str, Any]) -> tuple[int, str]:
+    """(count, resource name) of the GPUs in a container's resources (a */gpu resource:
+    amd.com/gpu, nvidia.com/gpu), limits first; (0, "") without one."""
+    for section in ("limits", "requests"):
+        for key, value in (resources.get(section) or {}).items():
+            if key.endswith("/gpu") and str(value).isdigit():
+                return int(value), key
+    return 0, ""
+
+
+def with_accelerator_env(container: Obj) -> Obj:
+    """`container` told the GPUs its resources give it (kubestar.common.accelerators'
+    ENV_GPUS and ENV_GPU_RESOURCE), which it checks torch sees before it starts; unchanged
+    without GPUs. The resource's field reference cannot carry an extended resource, so the
+    values are written out."""
+    count, resource = gpus(container.get("resources") or {})
+    if count:
+        env = container.setdefault("env", [])
+        env += env_list(
+            {accelerators.ENV_GPUS: str(count), accelerators.ENV_GPU_RESOURCE: resource}
+        )
+    return container
 
 
 # The installation's bearer token (kubestar.common.auth) in every pod that serves or calls

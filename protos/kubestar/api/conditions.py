@@ -115,6 +115,10 @@ class Reason(StrEnum):
     # A sandbox worker cannot set up the isolation spec.isolation asks for (its termination
     # message, passed on, names the namespace, the failed system call and why).
     ISOLATION_UNAVAILABLE = "IsolationUnavailable"
+    # A trainer rank or an engine given GPUs (its resources) whose torch sees fewer, or is a
+    # CPU-only build or the other vendor's: the message names what it was given and what it
+    # saw (kubestar.common.accelerators). A trainer's run fails at once (no retry).
+    ACCELERATOR_UNAVAILABLE = "AcceleratorUnavailable"
 
     # TrainingRun, SpecAccepted.
     ACCEPTED = "Accepted"

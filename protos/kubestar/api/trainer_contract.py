@@ -26,6 +26,8 @@ with this environment (names are the constants below):
 |   | the headless Service `<run>-trainer`, whose only endpoint is worker 0's pod |
 | KUBESTAR_TRAINER_METRICS_LISTEN | HOST:PORT where rank 0 serves Prometheus metrics (an empty |
 |   | HOST: every address); empty: none |
+| KUBESTAR_GPUS / _GPU_RESOURCE | the GPUs the pod's resources give it (e.g. 8, amd.com/gpu); |
+|   | unset without GPUs (kubestar.common.accelerators) |
 
 The world is workers x processesPerWorker processes in one torch.distributed process group
 (kubestar.training.distributed). Worker 0's first process is rank 0: it alone rolls out (its
@@ -55,7 +57,8 @@ not. A report that fails is logged and dropped, never retried: training goes on,
 report carries the whole state again.
 
 A trainer that fails for a reason the operator shows as it is (CheckpointVolumeFull: the
-checkpoint volume is full; TooFewProblems: a stage's filter left too few problems) writes
+checkpoint volume is full; TooFewProblems: a stage's filter left too few problems;
+AcceleratorUnavailable: torch does not see the GPUs KUBESTAR_GPUS says the pod has) writes
 `Reason: message` to its termination message (TERMINATION_LOG) and exits with
 EXIT_FINAL_FAILURE, which fails its Job at once (podFailurePolicy, Kubernetes 1.26 and later)
 instead of retrying: a retry would meet the same failure. TrainerReady then carries the

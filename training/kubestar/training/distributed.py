@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from kubestar.common import accelerators
+from kubestar.training.stopping import FinalFailure
 
 T = TypeVar("T")
 
@@ -79,10 +81,35 @@ def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
     return dtypes[precision]
 
 
-def device_for(world: World, name: str = "auto") -> torch.device:
-    """The device of this rank: its local GPU when there are GPUs, else the CPU."""
+class AcceleratorUnavailable(FinalFailure):
+    """This rank was given GPUs (or trainer.device cuda) that torch cannot drive: a CPU-only
+    torch, one built for the other vendor, or fewer devices than the pod requested. Final:
+    a retry would meet the same image and node."""
+
+    reason = accelerators.REASON
+
+
+def device_for(
+    world: World, name: str = "auto", env: Mapping[str, str] | None = None
+) -> torch.device:
+    """The device of this rank: its local GPU when there are GPUs, else the CPU.
+
+    A pod the operator gave GPUs (`env`'s KUBESTAR_GPUS, default this process's) must see
+    them all, whatever `name` says, and auto then means the GPU: a pod that asked for GPUs
+    never trains on its CPU. cuda needs a GPU for this rank. Raises AcceleratorUnavailable
+    naming what was expected and what torch sees."""
+    env = os.environ if env is None else env
+    count, resource = accelerators.requested(env)
+    expected = ""
+    if name == "cuda" and count <= world.local_rank:
+        count, resource = world.local_rank + 1, ""
+        expected = f"trainer.device is cuda (a GPU for local rank {world.local_rank})"
+    if count:
+        problem = accelerators.problem(count, resource, accelerators.torch_view(), env, expected)
+        if problem:
+            raise AcceleratorUnavailable(problem)
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+        name = "cuda" if count or torch.cuda.is_available() else "cpu"
     if name == "cuda" and world.sharded:
         return torch.device("cuda", world.local_rank)
     return torch.device(name)
