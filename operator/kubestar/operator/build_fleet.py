@@ -337,7 +337,7 @@ def engine_deployment(
     }
     gpu = GPU_RESOURCE.get(spec.accelerator)
     if gpu:
-        pod["tolerations"] = [{"key": gpu, "operator": "Exists", "effect": "NoSchedule"}]
+        pod["tolerations"] = [o.gpu_toleration(gpu)]
     _network(pod, settings)
     if spec.accelerator != "cpu":
         # vLLM's own images lack kubestar: its engine modules come from copies.
@@ -381,6 +381,8 @@ def engine_deployment(
             },
         }
     )
+    overrides = spec.pod_overrides.engine if spec.pod_overrides else None
+    engines = o.with_pod_overrides(engines, overrides, settings.images.pull_secret_names)
     return o.with_auth(engines, auth_name(name), settings.auth.token, flag=False)
 
 
@@ -532,6 +534,8 @@ def scheduler_deployment(
             },
         }
     )
+    overrides = spec.pod_overrides.scheduler if spec.pod_overrides else None
+    scheduler = o.with_pod_overrides(scheduler, overrides, settings.images.pull_secret_names)
     # The scheduler requires the token of its callers and sends it to the engines.
     return o.with_auth(scheduler, auth_name(name), settings.auth.token)
 

@@ -237,6 +237,8 @@ def worker_statefulset(
             },
         }
     )
+    overrides = spec.pod_overrides.worker if spec.pod_overrides else None
+    workers = o.with_pod_overrides(workers, overrides, settings.images.pull_secret_names)
     return o.with_auth(workers, auth_name(name), settings.auth.token)
 
 
@@ -316,6 +318,8 @@ def dispatcher_deployment(
             },
         }
     )
+    overrides = spec.pod_overrides.dispatcher if spec.pod_overrides else None
+    dispatcher = o.with_pod_overrides(dispatcher, overrides, settings.images.pull_secret_names)
     return o.with_auth(dispatcher, auth_name(name), settings.auth.token)
 
 

@@ -333,6 +333,9 @@ def _pod_spec(
         )
     if spec.model.pvc_claim_name:
         o.mount_model(container, pod["volumes"], spec.model)
+    _, gpu = o.gpus(container["resources"])
+    if gpu:  # GPU nodes are commonly tainted with their resource's name, as for engines
+        pod["tolerations"] = [o.gpu_toleration(gpu)]
     if settings.network.host_network:
         pod["hostNetwork"] = True
         pod["dnsPolicy"] = "ClusterFirstWithHostNet"
@@ -504,6 +507,8 @@ def job(
             "spec": job_spec,
         }
     )
+    overrides = spec.pod_overrides.trainer if spec.pod_overrides else None
+    workload = o.with_pod_overrides(workload, overrides, settings.images.pull_secret_names)
     # The sandbox, scheduler and engine clients read the token from the file it names.
     return o.with_auth(workload, auth_name(name), settings.auth.token, flag=False)
 

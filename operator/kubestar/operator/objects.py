@@ -5,10 +5,10 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kubestar.api.v1alpha1 import API_VERSION, MODEL_MOUNT, ModelSource
+from kubestar.api.v1alpha1 import API_VERSION, MODEL_MOUNT, ModelSource, PodOverrides
 from kubestar.common import accelerators
 from kubestar.common.auth import ENV_TOKEN_FILE, namespace_token
 
@@ -291,6 +291,11 @@ def gpus(resources: Mapping[str, Any]) -> tuple[int, str]:
     return 0, ""
 
 
+def gpu_toleration(resource: str) -> Obj:
+    """Tolerates the taint GPU nodes commonly carry: their GPU resource's name, NoSchedule."""
+    return {"key": resource, "operator": "Exists", "effect": "NoSchedule"}
+
+
 def with_accelerator_env(container: Obj) -> Obj:
     """`container` told the GPUs its resources give it (kubestar.common.accelerators'
     ENV_GPUS and ENV_GPU_RESOURCE), which it checks torch sees before it starts; unchanged
@@ -382,3 +387,72 @@ def single_pod_rollout(host_network: bool) -> Obj:
         "type": "RollingUpdate",
         "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable},
     }
+
+
+def with_pod_overrides(
+    workload: Obj, overrides: PodOverrides | None, pull_secrets: Sequence[str] = ()
+) -> Obj:
+    """`workload` (a Deployment, StatefulSet or Job) with the installation's image pull
+    secrets (`pull_secrets`, the chart's images.pullSecrets) and a component's podOverrides
+    merged into its pod template: added to what kubestar set, never replacing its command,
+    probes, volumes or security context (the override type has no such fields, and the
+    spec refuses kubestar's label keys, annotations and environment names). A variable or a
+    resource kubestar also sets takes the override's value; kubestar's annotations stay."""
+    template = workload["spec"]["template"]
+    pod = template["spec"]
+    names = [
+        *pull_secrets,
+        *(ref.name for ref in (overrides.image_pull_secrets if overrides else [])),
+    ]
+    if names:
+        pod["imagePullSecrets"] = [{"name": name} for name in dict.fromkeys(names)]
+    if overrides is None:
+        return with_hash(workload)
+    meta = template.setdefault("metadata", {})
+    if overrides.labels:
+        meta["labels"] = {**overrides.labels, **meta.get("labels", {})}
+    if overrides.annotations:
+        meta["annotations"] = {**overrides.annotations, **meta.get("annotations", {})}
+    if overrides.node_selector:
+        pod["nodeSelector"] = {**pod.get("nodeSelector", {}), **overrides.node_selector}
+    if overrides.tolerations:
+        pod["tolerations"] = [
+            *pod.get("tolerations", []),
+            *(_clean(t.model_dump(mode="json", by_alias=True)) for t in overrides.tolerations),
+        ]
+    if overrides.affinity:
+        pod["affinity"] = overrides.affinity
+    if overrides.priority_class_name:
+        pod["priorityClassName"] = overrides.priority_class_name
+    if overrides.scheduler_name:
+        pod["schedulerName"] = overrides.scheduler_name
+    if overrides.supplemental_groups:
+        security = pod.setdefault("securityContext", {})
+        groups = [*security.get("supplementalGroups", []), *overrides.supplemental_groups]
+        security["supplementalGroups"] = list(dict.fromkeys(groups))
+    for container in pod["containers"]:
+        for var in overrides.env:
+            entry = _clean(var.model_dump(mode="json", by_alias=True))
+            env = container.setdefault("env", [])
+            at = next((i for i, e in enumerate(env) if e["name"] == var.name), None)
+            if at is None:
+                env.append(entry)
+            else:
+                env[at] = entry
+    main = pod["containers"][0]
+    extra = overrides.resources
+    for section, values in (("requests", extra.requests), ("limits", extra.limits)):
+        if values:
+            current = main.setdefault("resources", {}).setdefault(section, {})
+            current.update({key: quantity(value) for key, value in values.items()})
+    return with_hash(workload)
+
+
+def _clean(value: Any) -> Any:
+    """A dumped override without its unset parts (None, "", {}), as Kubernetes writes them."""
+    if isinstance(value, dict):
+        cleaned = {k: _clean(v) for k, v in value.items()}
+        return {k: v for k, v in cleaned.items() if v not in (None, "", {})}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value

@@ -18,6 +18,10 @@ class _Settings(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
 
+class PullSecret(_Settings):
+    name: str = Field(min_length=1)
+
+
 class Images(_Settings):
     # kubestar itself: operator, sandbox, scheduler, trainer (and Ray for several workers).
     kubestar: str = "kubestar:0.1.0"
@@ -27,6 +31,13 @@ class Images(_Settings):
     engine_rocm: str = "rocm/vllm:rocm7.14.0_cdna_ubuntu24.04_py3.14_pytorch_2.11.0_vllm_0.23.0"
     engine_cuda: str = "vllm/vllm-openai:v0.32.0"
     pull_policy: str = "IfNotPresent"
+    # Secrets for private registries (the chart's images.pullSecrets, [{name: regcred}]):
+    # every pod the operator makes pulls with them, besides the operator's own.
+    pull_secrets: list[PullSecret] = Field(default_factory=list)
+
+    @property
+    def pull_secret_names(self) -> list[str]:
+        return [secret.name for secret in self.pull_secrets]
 
     @property
     def own(self) -> tuple[str, ...]:

@@ -16,7 +16,14 @@ from typing import Any, Literal
 import yaml
 from kubestar.api.conditions import Condition, Phase
 from kubestar.api.errors import KubestarError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 GROUP = "kubestar.dev"
@@ -59,6 +66,263 @@ class ObjectReference(Spec):
     name: str = Field(
         min_length=1, max_length=253, description="metadata.name of the referenced resource."
     )
+
+
+# --- Pod overrides (every kind) ----------------------------------------------------------
+
+# Label keys kubestar sets on its pods (selectors, ownership); annotations and labels under
+# this prefix are kubestar's too. A podOverrides that names one is refused.
+KUBESTAR_LABEL_KEYS = (
+    "app.kubernetes.io/name",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/component",
+    "app.kubernetes.io/managed-by",
+)
+KUBESTAR_KEY_PREFIX = "kubestar.dev/"
+# Environment kubestar's own wiring depends on (its contract with the trainer, the engines'
+# GPU check, the rendezvous, the non-root runtime, the devices the device plugin gives):
+# podOverrides.env may not set these, nor any name starting with KUBESTAR_.
+RESERVED_ENV = frozenset(
+    {
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "PYTHONPATH",
+        "TORCHINDUCTOR_CACHE_DIR",
+        "TRITON_CACHE_DIR",
+        "HF_HUB_OFFLINE",
+        "KUBERNETES_SERVICE_HOST",
+        "KUBERNETES_SERVICE_PORT",
+        "POD_UID",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "CUDA_VISIBLE_DEVICES",
+        "HIP_VISIBLE_DEVICES",
+        "ROCR_VISIBLE_DEVICES",
+    }
+)
+RESERVED_ENV_PREFIX = "KUBESTAR_"
+
+
+class Toleration(Spec):
+    """A taint the pods tolerate, as in a Pod."""
+
+    key: str = Field("", description="The taint's key; empty with operator Exists: every taint.")
+    operator: Literal["Exists", "Equal"] = Field(
+        "Equal", description="Exists: any value of the key. Equal: the value below."
+    )
+    value: str = Field("", description="The taint's value, for operator Equal.")
+    effect: Literal["", "NoSchedule", "PreferNoSchedule", "NoExecute"] = Field(
+        "", description="The taint's effect to tolerate; empty: every effect."
+    )
+    toleration_seconds: int | None = Field(
+        None,
+        ge=0,
+        description="NoExecute only: how long a pod stays on a node after the taint appears.",
+    )
+
+
+class KeyReference(Spec):
+    """A key of a Secret or ConfigMap in the resource's own namespace."""
+
+    name: str = Field(min_length=1, max_length=253, description="The Secret's or ConfigMap's name.")
+    key: str = Field(min_length=1, description="The key whose value the variable takes.")
+    optional: bool | None = Field(None, description="Whether the key may be missing.")
+
+
+class FieldReference(Spec):
+    """A field of the pod, as in a Pod's env (metadata.name, status.podIP, ...)."""
+
+    field_path: str = Field(min_length=1, description="The pod's field, e.g. status.hostIP.")
+
+
+class ResourceFieldReference(Spec):
+    """A resource of the container, as in a Pod's env (limits.memory, requests.cpu)."""
+
+    resource: str = Field(min_length=1, description="e.g. limits.memory.")
+    divisor: Quantity | None = Field(None, description="The unit, e.g. 1Mi.")
+
+
+class EnvVarSource(Spec):
+    """Where a variable's value comes from: exactly one of these."""
+
+    secret_key_ref: KeyReference | None = Field(None, description="A key of a Secret.")
+    config_map_key_ref: KeyReference | None = Field(None, description="A key of a ConfigMap.")
+    field_ref: FieldReference | None = Field(None, description="A field of the pod.")
+    resource_field_ref: ResourceFieldReference | None = Field(
+        None, description="A resource of the container."
+    )
+
+    @model_validator(mode="after")
+    def _one(self) -> EnvVarSource:
+        set_ = [name for name, value in self if value is not None]
+        if len(set_) != 1:
+            raise ValueError(
+                "set exactly one of secretKeyRef, configMapKeyRef, fieldRef, resourceFieldRef"
+            )
+        return self
+
+
+class EnvVar(Spec):
+    """An environment variable, as in a Pod: a value, or valueFrom."""
+
+    name: str = Field(
+        min_length=1,
+        pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$",
+        description="The variable's name.",
+    )
+    value: str | None = Field(None, description="Its value.")
+    value_from: EnvVarSource | None = Field(None, description="Where its value comes from.")
+
+    @model_validator(mode="after")
+    def _one(self) -> EnvVar:
+        if (self.value is None) == (self.value_from is None):
+            raise ValueError(f"env {self.name}: set exactly one of value and valueFrom")
+        return self
+
+
+class LocalObjectReference(Spec):
+    """An object of the resource's own namespace, by name."""
+
+    name: str = Field(min_length=1, max_length=253, description="The object's name.")
+
+
+class PodOverrides(Spec):
+    """Placement and runtime settings merged into the pods kubestar builds for one component,
+    as Kubeflow Trainer's podTemplateOverrides and KubeRay's pod templates give them: added to
+    what kubestar sets, never replacing its command, probes, volumes or security context.
+    What would break tenancy (host paths, privileges, host namespaces, capabilities, another
+    service account, a runtime class) is not here; kubestar's own label keys and environment
+    variables are refused."""
+
+    node_selector: dict[str, str] = Field(
+        default_factory=dict,
+        description="Node labels the pods must be scheduled on, e.g. "
+        '{"node.kubernetes.io/instance-type": "mi300x"}; added to kubestar\'s.',
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list,
+        description="Taints the pods tolerate, added to kubestar's (GPU pods already tolerate "
+        "their accelerator's taint).",
+    )
+    affinity: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The pods' affinity as in a Pod: nodeAffinity, podAffinity, podAntiAffinity.",
+    )
+    priority_class_name: str = Field(
+        "", description="PriorityClass of the pods (preemption, a queue's priority)."
+    )
+    scheduler_name: str = Field(
+        "", description="The scheduler that places the pods, e.g. volcano. Empty: the default."
+    )
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Labels of the pods, e.g. Kueue's kueue.x-k8s.io/queue-name; kubestar's "
+        "own keys (app.kubernetes.io/name, instance, component, managed-by, kubestar.dev/*) "
+        "are refused.",
+    )
+    annotations: dict[str, str] = Field(
+        default_factory=dict,
+        description="Annotations of the pods; kubestar.dev/* keys are refused.",
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        description="Environment variables of the pods' containers (e.g. NCCL_SOCKET_IFNAME, "
+        "NCCL_IB_HCA); a name kubestar also sets takes this value. Names starting with "
+        "KUBESTAR_ and those kubestar's wiring needs (HOME, USER, LOGNAME, PYTHONPATH, "
+        "TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR, HF_HUB_OFFLINE, KUBERNETES_SERVICE_HOST/"
+        "PORT, POD_UID, RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, "
+        "CUDA/HIP/ROCR_VISIBLE_DEVICES) are refused.",
+    )
+    supplemental_groups: list[int] = Field(
+        default_factory=list,
+        description="Groups the pods' processes also belong to (e.g. the node's render group "
+        "for ROCm devices), added to kubestar's.",
+    )
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default_factory=list,
+        description="Secrets of the namespace to pull the images with, added to the chart's "
+        "images.pullSecrets.",
+    )
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements,
+        description="Extra resources of the pods' main container, e.g. "
+        '{"limits": {"rdma/rdma_shared_device_a": 1}}; a name kubestar also sets takes this '
+        "value. GPUs (*/gpu) are refused: they come from the resource's own fields.",
+    )
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, labels: dict[str, str]) -> dict[str, str]:
+        for key in labels:
+            if key in KUBESTAR_LABEL_KEYS or key.startswith(KUBESTAR_KEY_PREFIX):
+                raise ValueError(f"{key} is a label kubestar sets and selects its pods by")
+        return labels
+
+    @field_validator("annotations")
+    @classmethod
+    def _annotations(cls, annotations: dict[str, str]) -> dict[str, str]:
+        for key in annotations:
+            if key.startswith(KUBESTAR_KEY_PREFIX):
+                raise ValueError(f"{key} is an annotation kubestar sets")
+        return annotations
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, env: list[EnvVar]) -> list[EnvVar]:
+        for var in env:
+            if var.name in RESERVED_ENV or var.name.startswith(RESERVED_ENV_PREFIX):
+                raise ValueError(f"{var.name} is set by kubestar (reserved)")
+        names = [var.name for var in env]
+        if len(set(names)) != len(names):
+            raise ValueError(f"names must be unique, got {names}")
+        return env
+
+    @field_validator("affinity")
+    @classmethod
+    def _affinity(cls, affinity: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(affinity) - {"nodeAffinity", "podAffinity", "podAntiAffinity"}
+        if unknown:
+            raise ValueError(
+                f"{sorted(unknown)}: an affinity has nodeAffinity, podAffinity and "
+                "podAntiAffinity only"
+            )
+        return affinity
+
+    @field_validator("resources")
+    @classmethod
+    def _no_gpus(cls, resources: ResourceRequirements) -> ResourceRequirements:
+        for section in (resources.requests, resources.limits):
+            for name in section:
+                if name.endswith("/gpu"):
+                    raise ValueError(
+                        f"{name}: GPUs come from the resource's own resources (and a fleet's "
+                        "engine.tensorParallelSize), not from podOverrides"
+                    )
+        return resources
+
+
+class SandboxPoolPodOverrides(Spec):
+    """Pod overrides of a SandboxPool's components."""
+
+    worker: PodOverrides | None = Field(None, description="The sandbox worker pods.")
+    dispatcher: PodOverrides | None = Field(None, description="The dispatcher's pod.")
+
+
+class RolloutFleetPodOverrides(Spec):
+    """Pod overrides of a RolloutFleet's components."""
+
+    engine: PodOverrides | None = Field(None, description="The engine pods.")
+    scheduler: PodOverrides | None = Field(None, description="The rollout scheduler's pod.")
+
+
+class TrainingRunPodOverrides(Spec):
+    """Pod overrides of a TrainingRun's components."""
+
+    trainer: PodOverrides | None = Field(None, description="Every trainer pod (all workers).")
 
 
 # --- SandboxPool -------------------------------------------------------------------------
@@ -165,6 +429,12 @@ class SandboxPoolSpec(Spec):
         description="TCP port of the dispatcher's HTTP APIs in the dialects verl and "
         "rStar2-Agent call (SandboxFusion's /run_code, code-judge's /run/long-batch; "
         "status.httpEndpoint): the same workers, limits, isolation and token. 0: off.",
+    )
+    pod_overrides: SandboxPoolPodOverrides | None = Field(
+        None,
+        description="Placement and runtime settings (nodeSelector, tolerations, affinity, "
+        "priorityClassName, schedulerName, labels, annotations, env, supplementalGroups, "
+        "imagePullSecrets, extra resources) merged into the worker and dispatcher pods.",
     )
 
     @model_validator(mode="after")
@@ -406,6 +676,13 @@ class RolloutFleetSpec(Spec):
         "engines (NCCL between GPUs, else gloo), straight into their memory; nothing is "
         "shared but the network. volume: the engines read the folder the trainer writes on "
         "the chart's shared checkpoint volume (trainer.sharedCheckpoints), which they mount.",
+    )
+    pod_overrides: RolloutFleetPodOverrides | None = Field(
+        None,
+        description="Placement and runtime settings (nodeSelector, tolerations, affinity, "
+        "priorityClassName, schedulerName, labels, annotations, env, supplementalGroups, "
+        "imagePullSecrets, extra resources, e.g. RDMA devices) merged into the engine and "
+        "scheduler pods.",
     )
 
 
@@ -1127,6 +1404,13 @@ class TrainingRunSpec(Spec):
         default_factory=ResilienceSpec,
         description="What the run does when engines, the scheduler or the sandbox fail: "
         "trajectories they spoil are left out, and a step with too many is rolled out again.",
+    )
+    pod_overrides: TrainingRunPodOverrides | None = Field(
+        None,
+        description="Placement and runtime settings (nodeSelector, tolerations, affinity, "
+        "priorityClassName, schedulerName, labels and annotations for Kueue or Volcano, env, "
+        "supplementalGroups, imagePullSecrets, extra resources, e.g. RDMA devices) merged into "
+        "every trainer pod.",
     )
 
     @model_validator(mode="after")
