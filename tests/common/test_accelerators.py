@@ -136,3 +136,21 @@ def test_the_engines_check_states_the_reason_or_runs_the_command(tmp_path: Path)
         check=False,
     )
     assert (started.returncode, started.stdout) == (0, "started\n"), started.stderr
+
+
+def test_the_engine_modules_folder_is_appended_to_the_images_python_path(tmp_path: Path) -> None:
+    assert a.with_python_path({"PYTHONPATH": "/image/lib"}, "/modules")["PYTHONPATH"] == (
+        "/image/lib:/modules"
+    )
+    assert a.with_python_path({}, "/modules")["PYTHONPATH"] == "/modules"
+    assert a.with_python_path({"PYTHONPATH": "/modules"}, "/modules")["PYTHONPATH"] == "/modules"
+    script = a.__file__
+    shown = subprocess.run(
+        [sys.executable, script, "--python-path", "/modules", "--", "sh", "-c", "echo $PYTHONPATH"],
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": "/image/lib"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert (shown.returncode, shown.stdout) == (0, "/image/lib:/modules\n"), shown.stderr

@@ -62,10 +62,11 @@ def test_gpu_engines_check_their_gpus_before_vllm_starts(accelerator: str, resou
     command = engine["command"]
     assert command[: command.index("--")] == [
         "python3",
-        "-m",
-        build_fleet.ENGINE_ACCELERATORS_MODULE,
+        f"{build_fleet.ENGINE_MODULES_DIR}/{build_fleet.ENGINE_ACCELERATORS_MODULE}.py",
         "--termination-log",
         "/dev/termination-log",
+        "--python-path",
+        build_fleet.ENGINE_MODULES_DIR,
     ]
     vllm = command[command.index("--") + 1 :]
     assert vllm[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]

@@ -139,7 +139,10 @@ def test_gpu_engines_load_copies_of_the_middleware_and_the_weights_route(acceler
     extension = command[command.index("--worker-extension-cls") + 1]
     assert extension == "kubestar_weight_sync.WeightSyncExtension"
     env = {e["name"]: e["value"] for e in container["env"]}
-    assert env["PYTHONPATH"] == build_fleet.ENGINE_MODULES_DIR
+    # The modules' folder is appended to the image's PYTHONPATH by the GPU check.
+    assert "PYTHONPATH" not in env
+    check = container["command"][: container["command"].index("--")]
+    assert check[check.index("--python-path") + 1] == build_fleet.ENGINE_MODULES_DIR
     assert "VLLM_SERVER_DEV_MODE" not in env
     mount = {
         "name": "engine-modules",

@@ -178,7 +178,14 @@ def engine_command(
     )
     # An engine whose torch does not see its GPUs states AcceleratorUnavailable and exits
     # instead of starting vLLM.
-    check = ["python3", "-m", ENGINE_ACCELERATORS_MODULE, "--termination-log", TERMINATION_LOG]
+    check = [
+        "python3",
+        f"{ENGINE_MODULES_DIR}/{ENGINE_ACCELERATORS_MODULE}.py",
+        "--termination-log",
+        TERMINATION_LOG,
+        "--python-path",
+        ENGINE_MODULES_DIR,
+    ]
     return [*check, "--", *settings.command()]
 
 
@@ -189,8 +196,9 @@ def engine_env(spec: RolloutFleetSpec) -> dict[str, str]:
         "DO_NOT_TRACK": "1",
         "VLLM_LOGGING_LEVEL": "WARNING",
     }
-    # Engines run as a non-root uid: caches (compile, kernels) go to the writable /tmp.
-    env["HOME"] = "/tmp"
+    # Engines run as a non-root uid: a user name for getpass, caches (compile, kernels) in
+    # the writable /tmp.
+    env.update(o.NON_ROOT_ENV)
     if spec.accelerator == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
         # The engine runs eagerly (--enforce-eager), but vLLM's sampler still torch.compiles
@@ -338,10 +346,13 @@ def engine_deployment(
     gpu = GPU_RESOURCE.get(spec.accelerator)
     if gpu:
         pod["tolerations"] = [o.gpu_toleration(gpu)]
+    groups = settings.gpu_groups(gpu or "")
+    if groups:  # ROCm's devices open to the video and render groups only
+        pod["securityContext"]["supplementalGroups"] = groups
     _network(pod, settings)
     if spec.accelerator != "cpu":
-        # vLLM's own images lack kubestar: its engine modules come from copies.
-        container["env"].append({"name": "PYTHONPATH", "value": ENGINE_MODULES_DIR})
+        # vLLM's own images lack kubestar: its engine modules come from copies, which the
+        # GPU check (the command's first part) appends to the image's PYTHONPATH for vLLM.
         container["volumeMounts"].append(
             {"name": "engine-modules", "mountPath": ENGINE_MODULES_DIR, "readOnly": True}
         )

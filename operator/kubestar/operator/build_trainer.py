@@ -231,7 +231,7 @@ def trainer_env(
         c.ENV_WEIGHT_SYNC: fleet.weight_sync,
         c.ENV_WEIGHTS_LISTEN: weights_listen(settings),
         "PYTHONUNBUFFERED": "1",
-        "HOME": "/tmp",
+        **o.NON_ROOT_ENV,
     }
     if worker == 0:
         env[c.ENV_METRICS_LISTEN] = metrics_listen(settings)
@@ -336,6 +336,9 @@ def _pod_spec(
     _, gpu = o.gpus(container["resources"])
     if gpu:  # GPU nodes are commonly tainted with their resource's name, as for engines
         pod["tolerations"] = [o.gpu_toleration(gpu)]
+    groups = settings.gpu_groups(gpu)
+    if groups:  # ROCm's devices open to the video and render groups only
+        pod["securityContext"]["supplementalGroups"] = groups
     if settings.network.host_network:
         pod["hostNetwork"] = True
         pod["dnsPolicy"] = "ClusterFirstWithHostNet"

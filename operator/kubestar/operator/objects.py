@@ -291,6 +291,18 @@ def gpus(resources: Mapping[str, Any]) -> tuple[int, str]:
     return 0, ""
 
 
+# What torch, inductor and triton need of a non-root uid that is in no /etc/passwd:
+# getpass.getuser() reads USER or LOGNAME (and raises without them), HOME and the compile
+# caches must be writable. /tmp is each such pod's emptyDir.
+NON_ROOT_ENV = {
+    "USER": "kubestar",
+    "LOGNAME": "kubestar",
+    "HOME": "/tmp",
+    "TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor",
+    "TRITON_CACHE_DIR": "/tmp/triton",
+}
+
+
 def gpu_toleration(resource: str) -> Obj:
     """Tolerates the taint GPU nodes commonly carry: their GPU resource's name, NoSchedule."""
     return {"key": resource, "operator": "Exists", "effect": "NoSchedule"}

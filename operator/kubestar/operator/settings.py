@@ -148,6 +148,21 @@ class TrainerDefaults(_Settings):
     shared_checkpoints: SharedCheckpoints = Field(default_factory=SharedCheckpoints)
 
 
+class AmdGroups(_Settings):
+    """The groups a non-root process needs to open ROCm's /dev/kfd and /dev/dri/renderD*:
+    the host's video group and its render group, whose GID differs between hosts (`stat -c
+    %g /dev/dri/renderD128` on a node). Given as supplementalGroups to engines of amd fleets
+    and to trainer pods given amd.com/gpu."""
+
+    video_group: int = Field(44, ge=1)
+    # 0: none (the video group alone, where udev rules open the devices to it).
+    render_group: int = Field(0, ge=0)
+
+    @property
+    def supplemental_groups(self) -> list[int]:
+        return [self.video_group, *([self.render_group] if self.render_group else [])]
+
+
 # In a policy list: anything at all.
 ANY = "*"
 
@@ -259,6 +274,7 @@ class Auth(_Settings):
 class OperatorSettings(_Settings):
     # A RolloutFleet that does not say spec.accelerator gets this one.
     default_accelerator: Literal["amd", "nvidia", "cpu"] = "cpu"
+    amd: AmdGroups = Field(default_factory=AmdGroups)
     images: Images = Field(default_factory=Images)
     network: Network = Field(default_factory=Network)
     ports: Ports = Field(default_factory=Ports)
@@ -290,6 +306,10 @@ class OperatorSettings(_Settings):
             "no namespaces to watch: name them (settings namespaces, or --namespace), or set "
             "clusterWide: true (--cluster-wide) to watch every namespace"
         )
+
+    def gpu_groups(self, resource: str) -> list[int]:
+        """supplementalGroups a non-root pod given `resource` GPUs needs to open them."""
+        return self.amd.supplemental_groups if resource == "amd.com/gpu" else []
 
     def metrics_port(self, port: int, serving_port: int) -> int:
         """The metrics port of a pod that serves on `serving_port`: `port` (one of

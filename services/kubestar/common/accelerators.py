@@ -3,7 +3,7 @@
 The operator tells each container how many GPUs it gave it, from the resources it put on the
 container: ENV_GPUS (a count) and ENV_GPU_RESOURCE (amd.com/gpu, nvidia.com/gpu). A trainer
 rank (kubestar.training.distributed.device_for, before it loads the model) and a GPU engine
-(this module run as `python -m kubestar_accelerators -- COMMAND...` before vLLM) compare
+(this module run as `python3 .../kubestar_accelerators.py -- COMMAND...` before vLLM) compare
 them with what torch sees. When torch sees fewer devices, or is a build without GPU support
 (or for the other vendor), the process states
 
@@ -132,23 +132,42 @@ def state(message: str, termination_log: str) -> None:
         print(f"kubestar: cannot write {termination_log}: {error.strerror}", file=sys.stderr)
 
 
+def with_python_path(env: Mapping[str, str], folder: str) -> dict[str, str]:
+    """`env` with `folder` appended to its PYTHONPATH (the image's entries stay first)."""
+    current = env.get("PYTHONPATH", "")
+    parts = [part for part in current.split(os.pathsep) if part]
+    return {
+        **env,
+        "PYTHONPATH": os.pathsep.join([*parts, folder] if folder not in parts else parts),
+    }
+
+
+USAGE = "usage: accelerators.py [--termination-log PATH] [--python-path DIR] -- COMMAND..."
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m kubestar_accelerators [--termination-log PATH] -- COMMAND...`: check, then
-    run COMMAND in this process (exec), or state the problem and exit EXIT_UNAVAILABLE."""
+    """`python3 accelerators.py [--termination-log PATH] [--python-path DIR] -- COMMAND...`:
+    check, then run COMMAND in this process (exec) with DIR appended to the image's
+    PYTHONPATH, or state the problem and exit EXIT_UNAVAILABLE."""
     args = list(sys.argv[1:] if argv is None else argv)
-    termination_log = TERMINATION_LOG
-    if args[:1] == ["--termination-log"] and len(args) > 1:
-        termination_log, args = args[1], args[2:]
+    termination_log, python_path = TERMINATION_LOG, ""
+    while args and args[0] in ("--termination-log", "--python-path") and len(args) > 1:
+        if args[0] == "--termination-log":
+            termination_log = args[1]
+        else:
+            python_path = args[1]
+        args = args[2:]
     if args[:1] == ["--"]:
         args = args[1:]
     if not args:
-        print("usage: kubestar_accelerators [--termination-log PATH] -- COMMAND...")
+        print(USAGE, file=sys.stderr)
         return 2
     found = check()
     if found:
         state(found, termination_log)
         return EXIT_UNAVAILABLE
-    os.execvp(args[0], args)
+    env = with_python_path(os.environ, python_path) if python_path else dict(os.environ)
+    os.execvpe(args[0], args, env)
     return 0  # pragma: no cover - exec does not return
 
 
