@@ -933,7 +933,10 @@ def test_trainer_pods_are_retried_only_where_checkpoints_outlive_them() -> None:
     assert "podFailurePolicy" not in retried["spec"]  # Kubernetes 1.20 has none
     newer = build_trainer.job(body, claimed, fleet, pool, settings, server_version=(1, 29))
     rule, _ = newer["spec"]["podFailurePolicy"]["rules"]  # then a full volume's FailJob
-    assert rule == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}
+    assert rule == {
+        "action": "Ignore",
+        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+    }
 
 
 RESTRICTED_VOLUMES = {

@@ -491,7 +491,11 @@ def job(
         # would meet it again.
         job_spec["podFailurePolicy"] = {
             "rules": [
-                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+                {
+                    "action": "Ignore",
+                    # status: required by the API servers of 1.26 to 1.34.
+                    "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+                },
                 {
                     "action": "FailJob",
                     "onExitCodes": {
