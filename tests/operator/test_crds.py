@@ -95,6 +95,12 @@ def test_defaults_validation_and_rules() -> None:
     algorithm = run["properties"]["spec"]["properties"]["algorithm"]["properties"]
     assert algorithm["name"]["enum"] == ["grpo-roc", "grpo"]
     assert algorithm["clipHigh"]["default"] == 0.28
+    trainer = run["properties"]["spec"]["properties"]["trainer"]["properties"]
+    assert trainer["microBatchSize"]["default"] == 4
+    # Unset: micro-batches of microBatchSize rows; set, a token budget that wins over it.
+    tokens = trainer["maxTokensPerMicroBatch"]
+    assert tokens["type"] == "integer" and tokens["minimum"] == 1 and tokens["nullable"]
+    assert "default" not in tokens and "microBatchSize" in tokens["description"]
     # Status fields carry no defaults (controllers write them).
     assert all("default" not in node for _, node in walk(run["properties"]["status"]))
 

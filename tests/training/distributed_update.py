@@ -293,10 +293,13 @@ def damaged_scenario(model_dir: Path, out: Path) -> None:
 
 
 def computed_dtypes(model: torch.nn.Module) -> set[str]:
-    """The dtypes the model's linear layers compute in, filled in as it runs (forward hooks)."""
+    """The dtypes the model's linear layers compute in, filled in as it runs (forward hooks).
+    The output projection is left out: it returns fp32 log-probabilities, not its product
+    (test_logprobs checks the dtype it multiplies in)."""
     seen: set[str] = set()
+    head = model.get_output_embeddings()  # type: ignore[operator]
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
+        if isinstance(module, torch.nn.Linear) and module is not head:
             module.register_forward_hook(lambda _m, _i, output: seen.add(str(output.dtype)))
     return seen
 
@@ -373,6 +376,60 @@ def load_scenario(model_dir: Path, out: Path) -> None:
     close_world()
 
 
+# The sync scenario's ways of taking one update: Policy options.
+SYNC_WAYS: dict[str, dict[str, object]] = {
+    "per-micro-batch": {"defer_gradient_sync": False},
+    "per-update": {"defer_gradient_sync": True},
+    "per-update-by-tokens": {"defer_gradient_sync": True, "max_tokens_per_micro_batch": 80},
+}
+
+
+def sync_scenario(model_dir: Path, out: Path) -> None:
+    """One GRPO update (2 optimizer steps) each way of SYNC_WAYS, from the same initial
+    weights, in one world: the full parameters after (sync-WAY.pt) and, per rank, how many
+    reduce-scatters and training passes each made (sync-rank-N.json)."""
+    import torch.distributed as dist
+
+    world = World.from_env()
+    reduce_scatters = [0]
+    original = dist.reduce_scatter_single
+
+    def counted(*args: object, **kwargs: object) -> object:
+        reduce_scatters[0] += 1
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    dist.reduce_scatter_single = counted  # type: ignore[assignment]  # FSDP2's call
+    report: dict[str, dict[str, float]] = {}
+    passes = [0]  # training forward passes of the way being taken
+    for way, options in SYNC_WAYS.items():
+        policy = Policy(
+            model_dir,
+            OptimizerConfig(learning_rate=LEARNING_RATE),
+            device="cpu",
+            micro_batch_size=MICRO_BATCH_SIZE,
+            world=world,
+            **options,  # type: ignore[arg-type]
+        )
+        policy.model.register_forward_pre_hook(
+            lambda module, _: passes.__setitem__(0, passes[0] + module.training)
+        )
+        passes[0] = reduce_scatters[0] = 0
+        metrics = GrpoTrainer(policy, ALGORITHM, pad_id=0, seed=0).update(
+            trajectories() if world.main else []
+        )
+        report[way] = {
+            "reduce_scatters": reduce_scatters[0],
+            "passes": passes[0],
+            "optimizer_steps": metrics["optimizer_steps"],
+            "loss": metrics["train_loss"],
+        }
+        params = full_parameters(policy)
+        if world.main:
+            torch.save(params, out / f"sync-{way}.pt")
+    (out / f"sync-rank-{world.rank}.json").write_text(json.dumps(report))
+    close_world()
+
+
 # Tensors whose rows do not divide evenly: at world size 2, rank 1 holds 2 of "odd"'s rows and
 # none of "one_row"'s; "ints" is replicated (taken whole, its dtype kept).
 GATHERED = {
@@ -434,6 +491,8 @@ if __name__ == "__main__":
     if "--precision" in sys.argv:
         precision = sys.argv[sys.argv.index("--precision") + 1]
         precision_scenario(Path(sys.argv[1]), Path(sys.argv[2]), precision)
+    elif "--sync" in sys.argv:
+        sync_scenario(Path(sys.argv[1]), Path(sys.argv[2]))
     elif "--load" in sys.argv:
         load_scenario(Path(sys.argv[1]), Path(sys.argv[2]))
     elif "--gather" in sys.argv:

@@ -15,7 +15,12 @@ require_modules("torch", "transformers")
 import torch  # noqa: E402
 from kubestar.training.distributed import World, shard  # noqa: E402
 
-from tests.training.distributed_update import one_update, run_ranks, tiny_llama  # noqa: E402
+from tests.training.distributed_update import (  # noqa: E402
+    SYNC_WAYS,
+    one_update,
+    run_ranks,
+    tiny_llama,
+)
 
 WORLD_SIZE = 2
 
@@ -98,6 +103,37 @@ def test_two_ranks_update_like_one(model_dir: Path, tmp_path: Path, checkpointin
     assert load_file(tmp_path / "weights" / "model.safetensors").keys() == (
         load_file(tmp_path / "single-weights" / "model.safetensors").keys()
     )
+
+
+@pytest.mark.slow
+def test_gradients_are_reduced_once_per_optimizer_update(model_dir: Path, tmp_path: Path) -> None:
+    """Sharded, FSDP2 reduce-scatters the gradients in the last micro-batch of each update
+    only (each rank sums its micro-batches unsharded before it), and the parameters after the
+    update are those of a reduction after every micro-batch; micro-batches by tokens too."""
+    from transformers import AutoModelForCausalLM
+
+    initial = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    run_ranks(WORLD_SIZE, str(model_dir), str(tmp_path), "--sync")
+    units = 3  # FSDP2 units: the 2 decoder layers and the root, one reduce-scatter each
+    for rank in range(WORLD_SIZE):
+        report = json.loads((tmp_path / f"sync-rank-{rank}.json").read_text())
+        every, once = report["per-micro-batch"], report["per-update"]
+        assert every["optimizer_steps"] == once["optimizer_steps"] == 2
+        assert every["passes"] == once["passes"] > every["optimizer_steps"]  # accumulation
+        assert every["reduce_scatters"] == units * every["passes"]
+        assert once["reduce_scatters"] == units * once["optimizer_steps"]
+        tokens = report["per-update-by-tokens"]
+        assert tokens["reduce_scatters"] == units * tokens["optimizer_steps"]
+        assert once["loss"] == pytest.approx(every["loss"], rel=1e-5)
+        assert tokens["loss"] == pytest.approx(every["loss"], rel=1e-5)
+    reference = torch.load(tmp_path / "sync-per-micro-batch.pt")
+    moved = max(float((reference[k] - initial[k]).abs().max()) for k in reference)
+    assert moved > 1e-5
+    for way in SYNC_WAYS:
+        params = torch.load(tmp_path / f"sync-{way}.pt")
+        assert params.keys() == reference.keys()
+        for key, value in reference.items():
+            torch.testing.assert_close(params[key], value, rtol=1e-5, atol=2e-6, msg=key)
 
 
 @pytest.mark.slow

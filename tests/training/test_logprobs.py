@@ -82,6 +82,33 @@ def test_chunked_logprobs_and_gradients_equal_the_full_logits(
     assert "forward" not in vars(model.lm_head)  # the class's forward again
 
 
+@pytest.mark.parametrize(("dtype", "computed"), [(torch.float32, torch.float32),
+                                                 (torch.bfloat16, torch.bfloat16)])  # fmt: skip
+def test_the_head_multiplies_in_the_compute_dtype(
+    model_dir: Path, dtype: torch.dtype, computed: torch.dtype
+) -> None:
+    """Under bf16 autocast the output projection's weight and input are cast to bf16, as
+    torch.nn.Linear's would be (what the chunks multiply is what autograd keeps)."""
+    from transformers import AutoModelForCausalLM
+
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    input_ids, attention_mask, _ = rows()
+    shape = model.lm_head.weight.shape
+    kept: set[torch.dtype] = set()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.shape == shape:
+            kept.add(tensor.dtype)
+        return tensor
+
+    with (
+        torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32),
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+    ):
+        model_token_logprobs(model, input_ids, attention_mask)
+    assert kept == {computed}
+
+
 def test_the_function_alone_matches_log_softmax_with_uneven_chunks() -> None:
     torch.manual_seed(0)
     hidden = torch.randn(2, 5, 4, dtype=torch.float64, requires_grad=True)

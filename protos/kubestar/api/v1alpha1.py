@@ -1022,7 +1022,18 @@ class TrainerSpec(Spec):
         4,
         ge=1,
         description="Trajectories per forward/backward pass; gradients are accumulated over "
-        "micro-batches, so it trades memory for speed without changing the update.",
+        "micro-batches, so it trades memory for speed without changing the update. Ignored "
+        "when maxTokensPerMicroBatch is set.",
+    )
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=1,
+        description="Micro-batches by tokens instead of trajectories; when set it wins over "
+        "microBatchSize. Each rank's trajectories are taken longest first, and a "
+        "forward/backward pass holds as many as keep (trajectories x its longest, in tokens) "
+        "within this budget; a longer trajectory passes alone. Compute and activation memory "
+        "then follow the tokens, not the longest trajectory of the batch; the update is the "
+        "same (the loss is normalised by the mini-batch's tokens either way).",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto",

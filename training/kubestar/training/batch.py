@@ -82,3 +82,28 @@ def make_batch(
         if response_logprobs is not None and len(response_logprobs[i]) == r:
             sampling[i, p - 1 : p - 1 + r] = torch.tensor(response_logprobs[i])
     return TokenBatch(input_ids, attention_mask, loss_mask, sampling)
+
+
+def plan_micro_batches(
+    lengths: Sequence[int], micro_batch_size: int, max_tokens: int | None = None
+) -> list[list[int]]:
+    """The rows of each forward/backward pass over rows of `lengths` tokens.
+
+    Without `max_tokens`: `micro_batch_size` rows at a time, in order. With it
+    (trainer.maxTokensPerMicroBatch), by tokens: rows longest first, each pass as many as keep
+    rows x its longest row (what a padded pass computes) within `max_tokens`; a row longer
+    than the budget passes alone. Similar lengths share a pass, so compute follows the
+    tokens rather than the longest row of the batch."""
+    rows = len(lengths)
+    if max_tokens is None:
+        return [list(range(start, min(start + micro_batch_size, rows)))
+                for start in range(0, rows, micro_batch_size)]  # fmt: skip
+    plan: list[list[int]] = []
+    for row in sorted(range(rows), key=lambda r: -lengths[r]):
+        current = plan[-1] if plan else None
+        # Sorted longest first: a pass's first row is its longest.
+        if current and (len(current) + 1) * lengths[current[0]] <= max_tokens:
+            current.append(row)
+        else:
+            plan.append([row])
+    return plan

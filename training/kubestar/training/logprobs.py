@@ -44,7 +44,8 @@ def chunk_positions(vocab: int, logits_per_chunk: int = LOGITS_PER_CHUNK) -> int
 class _ChunkedTargetLogprobs(torch.autograd.Function):
     """log softmax(hidden @ weight^T)[target], `chunk` positions at a time, forward and
     backward. hidden: [N, H], weight: [V, H] (both in the compute dtype), targets: [N] ->
-    [N] fp32."""
+    `shape` (N elements) fp32: made in its shape, not a view (FSDP2 warns of a view
+    returned by a module, whose in-place changes would skip its backward hooks)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -53,10 +54,12 @@ class _ChunkedTargetLogprobs(torch.autograd.Function):
         weight: torch.Tensor,
         targets: torch.Tensor,
         chunk: int,
+        shape: torch.Size,
     ) -> torch.Tensor:
         positions = hidden.shape[0]
         wide = torch.promote_types(hidden.dtype, torch.float32)  # fp32 (fp64 for gradcheck)
-        logprobs = torch.empty(positions, dtype=wide, device=hidden.device)
+        out = torch.empty(shape, dtype=wide, device=hidden.device)
+        logprobs = out.view(-1)
         lse = torch.empty(positions, dtype=wide, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, positions, chunk):
@@ -69,16 +72,16 @@ class _ChunkedTargetLogprobs(torch.autograd.Function):
                 del logits
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk = chunk
-        return logprobs
+        return out
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any, grad_logprobs: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
         hidden, weight, targets, lse = ctx.saved_tensors
         positions = hidden.shape[0]
         wide = lse.dtype
-        grad_logprobs = grad_logprobs.to(wide)
+        grad_logprobs = grad_logprobs.reshape(-1).to(wide)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         # Summed over chunks in fp32, then cast once (a bf16 running sum would round).
         grad_weight = (
@@ -106,6 +109,7 @@ class _ChunkedTargetLogprobs(torch.autograd.Function):
             grad_weight.to(weight.dtype) if grad_weight is not None else None,
             None,
             None,
+            None,
         )
 
 
@@ -126,8 +130,8 @@ def chunked_token_logprobs(
     flat = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
     chunk = chunk_positions(weight.shape[0], logits_per_chunk)
     apply: Any = _ChunkedTargetLogprobs.apply
-    logprobs: torch.Tensor = apply(flat, weight.to(dtype), targets.reshape(-1), chunk)
-    return logprobs.reshape(shape)
+    logprobs: torch.Tensor = apply(flat, weight.to(dtype), targets.reshape(-1), chunk, shape)
+    return logprobs
 
 
 def plain_head(model: Any) -> torch.nn.Linear | None:

@@ -10,13 +10,12 @@ methods are collective (every rank calls them, in the same order).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from kubestar.training.batch import TokenBatch, pad_rows
+from kubestar.training.batch import TokenBatch, pad_rows, plan_micro_batches
 from kubestar.training.distributed import (
     SINGLE,
     ShardingConfig,
@@ -54,10 +53,16 @@ class Policy:
         sharding: ShardingConfig | None = None,
         precision: str = "auto",
         chunked_logprobs: bool = True,
+        max_tokens_per_micro_batch: int | None = None,
+        defer_gradient_sync: bool = True,
     ) -> None:
         """`precision`: trainer.precision (auto, bf16 or fp32; `compute_dtype`).
         `chunked_logprobs`: log-probabilities a chunk of positions at a time, never the full
-        logits (False: the full-logits path, kept to measure against)."""
+        logits (False: the full-logits path, kept to measure against).
+        `max_tokens_per_micro_batch`: trainer.maxTokensPerMicroBatch, micro-batches by tokens
+        instead of `micro_batch_size` rows (`plan_micro_batches`). `defer_gradient_sync`:
+        sharded, one gradient reduction per optimizer update (`_sync_gradients`; False: one
+        per micro-batch, less memory, more communication)."""
         torch.manual_seed(seed)
         self.source = Path(model_path)
         self.world = world
@@ -77,6 +82,8 @@ class Policy:
         self.optimizer_config = optimizer
         self.micro_batch_size = micro_batch_size
         self.chunked_logprobs = chunked_logprobs
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
+        self.defer_gradient_sync = defer_gradient_sync
         self.optimizer = self._new_optimizer(optimizer.learning_rate)
 
     def _new_optimizer(self, learning_rate: float) -> torch.optim.AdamW:
@@ -96,15 +103,23 @@ class Policy:
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate
 
-    def _micro_batches(self, batch: TokenBatch) -> Iterator[TokenBatch]:
-        rows = batch.input_ids.shape[0]
-        for start in range(0, rows, self.micro_batch_size):
-            yield batch.rows(slice(start, start + self.micro_batch_size))
+    def _micro_batches(self, batch: TokenBatch) -> list[tuple[list[int], TokenBatch]]:
+        """(rows of `batch`, their micro-batch) for each forward/backward pass
+        (`plan_micro_batches`). Every rank makes as many passes, since FSDP2's collectives
+        pair up pass by pass: a rank with fewer makes up the difference with filler passes
+        (no rows of `batch`: one attended token, no loss)."""
+        lengths = batch.attention_mask.sum(dim=1).tolist()
+        plan = plan_micro_batches(lengths, self.micro_batch_size, self.max_tokens_per_micro_batch)
+        passes = int(all_reduce(len(plan), self.world, self.device, op="max"))
+        plan += [[] for _ in range(passes - len(plan))]
+        return [(rows, batch.rows(rows) if rows else batch.rows([]).padded(1)) for rows in plan]
 
-    def _rows_everywhere(self, batch: TokenBatch) -> int:
-        """The most rows any rank holds: every rank pads to it, so that all make the same
-        forward and backward passes (FSDP's collectives pair up pass by pass)."""
-        return int(all_reduce(batch.input_ids.shape[0], self.world, self.device, op="max"))
+    def _sync_gradients(self, last: bool) -> None:
+        """Sharded, with gradient sync deferred: FSDP2 reduce-scatters the gradients only in
+        the backward pass of an update's last micro-batch; before it, each rank sums its
+        micro-batches' gradients unsharded (fp32, 4 bytes a parameter) without communicating."""
+        if self.world.sharded and self.defer_gradient_sync:
+            self.model.set_requires_gradient_sync(last)
 
     def _forward_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         # Trim right padding shared by the whole micro-batch before the forward pass.
@@ -125,10 +140,12 @@ class Policy:
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """Log-probabilities under the current weights, [B, L-1] (no gradient)."""
         self.model.eval()
-        rows = batch.input_ids.shape[0]
-        padded = batch.padded(self._rows_everywhere(batch))
-        parts = [self._forward_logprobs(micro).cpu() for micro in self._micro_batches(padded)]
-        return torch.cat(parts)[:rows]
+        out = torch.zeros_like(batch.sampling_logprobs)
+        for rows, micro in self._micro_batches(batch):
+            logprobs = self._forward_logprobs(micro).cpu()  # collective: fillers run too
+            if rows:  # a filler pass's result is dropped
+                out[rows] = logprobs
+        return out
 
     def grpo_step(
         self,
@@ -146,20 +163,17 @@ class Policy:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         tokens = max(all_reduce(batch.tokens, self.world, self.device), 1.0)
-        everywhere = self._rows_everywhere(batch)
-        batch = batch.padded(everywhere)
-        old_logprobs = pad_rows(old_logprobs, everywhere)  # filler rows: no loss tokens
-        advantages = pad_rows(advantages, everywhere)
         totals: dict[str, float] = {}
-        for start in range(0, batch.input_ids.shape[0], self.micro_batch_size):
-            rows = slice(start, start + self.micro_batch_size)
-            micro = batch.rows(rows)
+        passes = self._micro_batches(batch)
+        for index, (rows, micro) in enumerate(passes):
+            self._sync_gradients(last=index == len(passes) - 1)
             logprobs = self._forward_logprobs(micro)
             mask = micro.loss_mask.to(self.device)
+            filler = len(micro.input_ids)  # a filler pass: one row, no loss tokens
             loss, stats = grpo_loss(
                 logprobs,
-                old_logprobs[rows].to(self.device),
-                advantages[rows].to(self.device),
+                pad_rows(old_logprobs[rows], filler).to(self.device),
+                pad_rows(advantages[rows], filler).to(self.device),
                 mask,
                 config,
                 normalizer=float(tokens),
@@ -179,7 +193,9 @@ class Policy:
         self.optimizer.zero_grad(set_to_none=True)
         tokens = max(all_reduce(batch.tokens, self.world, self.device), 1.0)
         total = 0.0
-        for micro in self._micro_batches(batch.padded(self._rows_everywhere(batch))):
+        passes = self._micro_batches(batch)
+        for index, (_, micro) in enumerate(passes):
+            self._sync_gradients(last=index == len(passes) - 1)
             logprobs = self._forward_logprobs(micro)
             mask = micro.loss_mask.to(self.device)
             loss = -(logprobs * mask).sum() / tokens

@@ -115,11 +115,12 @@ class PolicySettings:
     micro_batch_size: int
     sharding: ShardingConfig
     precision: str
+    max_tokens_per_micro_batch: int | None = None  # when set, wins over micro_batch_size
 
 
 def policy_settings(spec: TrainingRunSpec) -> PolicySettings:
-    """The Policy's settings: the RL learning rate, spec.trainer's device, micro-batch,
-    activation checkpointing and precision."""
+    """The Policy's settings: the RL learning rate, spec.trainer's device, micro-batches (rows
+    or tokens), activation checkpointing and precision."""
     trainer = spec.trainer
     return PolicySettings(
         optimizer=OptimizerConfig(learning_rate=spec.algorithm.learning_rate),
@@ -127,6 +128,7 @@ def policy_settings(spec: TrainingRunSpec) -> PolicySettings:
         micro_batch_size=trainer.micro_batch_size,
         sharding=ShardingConfig(activation_checkpointing=trainer.activation_checkpointing),
         precision=trainer.precision,
+        max_tokens_per_micro_batch=trainer.max_tokens_per_micro_batch,
     )
 
 
@@ -351,6 +353,7 @@ class TrainingSession:
             world=self.world,
             sharding=settings.sharding,
             precision=settings.precision,
+            max_tokens_per_micro_batch=settings.max_tokens_per_micro_batch,
         )
         if not self.world.main:
             self._run(policy, None)  # follows rank 0's steps; rollouts are rank 0's
