@@ -64,21 +64,11 @@ QWEN3_14B = {
 # -- memory arithmetic --------------------------------------------------------------------------
 def decoder_parameters(config: dict[str, Any]) -> tuple[int, int, int]:
     """(all parameters, one decoder layer's, the largest tensor's) of a Llama/Qwen3-style
-    decoder from its Hugging Face config: attention q/k/v/o (q/k norms for Qwen3), a gated
-    MLP, two RMSNorms per layer, embeddings, a final norm and an untied or tied head."""
-    hidden = config["hidden_size"]
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    kv_heads = config.get("num_key_value_heads", heads)
-    attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
-    if config.get("model_type") == "qwen3":
-        attention += 2 * head_dim  # q_norm, k_norm
-    mlp = 3 * hidden * config["intermediate_size"]
-    layer = attention + mlp + 2 * hidden
-    embedding = config["vocab_size"] * hidden
-    head = 0 if config.get("tie_word_embeddings", False) else embedding
-    total = config["num_hidden_layers"] * layer + embedding + head + hidden
-    return total, layer, embedding
+    decoder from its Hugging Face config (kubestar.training.memory.ModelShape)."""
+    from kubestar.training.memory import ModelShape
+
+    shape = ModelShape.from_config({"model_type": "", **config})
+    return shape.parameters, shape.layer_parameters, shape.embedding_parameters
 
 
 def arithmetic_rows(
