@@ -1677,6 +1677,8 @@ def test_the_papers_recipe_rehearsed_at_small_scale(
     root = checkpoint_host_dir(settings).parent / "e2e-rehearsal"
     volumes = prepare_volumes(root)
     text = rehearsal_manifest(namespace, volumes)
+    # The node pool the manifest's podOverrides select (every node here: the cluster has one).
+    tools.kubectl_text("label", "nodes", "--all", f"{POOL_LABEL}=rehearsal", "--overwrite")
     tools.kubectl_text("apply", "-n", settings.namespace, "-f", "-", input_text=text)
     recorder = Recorder(tools, "trainingrun", REHEARSAL, settings.namespace)
     recorder.start()
@@ -1695,13 +1697,44 @@ def test_the_papers_recipe_rehearsed_at_small_scale(
         expected = ["SFT", "Training", "Succeeded"]
         assert [p for p in phases if p in expected] == expected, phases
         check_rehearsal(tools, settings, final, request.config)
+        check_overrides_reached_pods(tools, settings)
     finally:
         recorder.stop()
         tools.kubectl_run(
             "delete", "-n", settings.namespace, "-f", "-", "--wait=true",
             input_text=text, check=False, timeout=300,
         )  # fmt: skip
+        tools.kubectl_run("label", "nodes", "--all", f"{POOL_LABEL}-", check=False)
         shutil.rmtree(root, ignore_errors=True)
+
+
+POOL_LABEL = "e2e.kubestar.dev/pool"  # e2e/manifests/paper-rehearsal.yaml's podOverrides
+
+
+def check_overrides_reached_pods(tools: Tools, settings: Settings) -> None:
+    """The podOverrides of the rehearsal's fleet (engine) and run (trainer) are in their
+    pods as the API server holds them, beside what kubestar sets (its own env and
+    tolerations stay), and the pods ran on the labelled node."""
+    for instance, component in (("rehearsal-fleet", "engine"), (REHEARSAL, "trainer")):
+        pods = tools.items(
+            "pods", settings.namespace, f"{INSTANCE}={instance}", f"{COMPONENT}={component}"
+        )
+        assert pods, f"no {component} pod of {instance}"
+        for pod in pods:
+            spec = pod["spec"]
+            assert spec.get("nodeSelector", {}).get(POOL_LABEL) == "rehearsal", spec
+            tolerations = spec.get("tolerations") or []
+            assert {
+                "key": "e2e.kubestar.dev/dedicated",
+                "operator": "Exists",
+                "effect": "NoSchedule",
+            } in tolerations, tolerations
+            container = spec["containers"][0]
+            env = {e["name"]: e.get("value") for e in container.get("env") or []}
+            assert env.get("E2E_POOL") == "rehearsal", env
+            assert len(env) > 1, env  # kubestar's own variables stay
+            assert spec.get("nodeName"), pod["metadata"]["name"]
+    settings.notes["rehearsal_overrides_read_back"] = True
 
 
 def check_rehearsal(tools: Tools, settings: Settings, final: Obj, config: pytest.Config) -> None:
