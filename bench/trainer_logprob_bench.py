@@ -153,6 +153,7 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--what", default="part,step", help="what to measure: part, step")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--measure", choices=("part", "step"), help=argparse.SUPPRESS)
     parser.add_argument("--path", choices=("full", "chunked"), help=argparse.SUPPRESS)
@@ -202,9 +203,8 @@ def main() -> int:
                     "arithmetic_step": arithmetic.total,
                     "arithmetic_logprobs": arithmetic.get("log-probabilities"),
                 }
-                if fits:
-                    row["part"] = run_one(args, "part", path, tokens, folder)
-                    row["step"] = run_one(args, "step", path, tokens, folder)
+                for what in args.what.split(",") if fits else ():
+                    row[what] = run_one(args, what, path, tokens, folder)
                 rows.append(row)
                 print(f"  {tokens} {path}: {'measured' if fits else 'does not fit'}", flush=True)
     print_rows(rows)
@@ -234,14 +234,17 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
             skipped = "not run: does not fit | | | | "
             print(f"| {row['tokens']:,} | {row['path']} | {skipped}| {arithmetic} |")
             continue
-        part, step = row["part"], row["step"]
-        print(
-            f"| {row['tokens']:,} | {row['path']} "
-            f"| {part['peak_above'] / MB:,.0f}{ratio(row, 'part', 'peak_above')} "
-            f"| {part['seconds']:.1f} | {step['peak'] / MB:,.0f} "
-            f"| {step['peak_above'] / MB:,.0f}{ratio(row, 'step', 'peak_above')} "
-            f"| {step['tokens_per_s']:.0f}{ratio(row, 'step', 'tokens_per_s')} | {arithmetic} |"
-        )
+        cells = ["", "", "", "", ""]
+        if "part" in row:
+            part = row["part"]
+            cells[0] = f"{part['peak_above'] / MB:,.0f}{ratio(row, 'part', 'peak_above')}"
+            cells[1] = f"{part['seconds']:.1f}"
+        if "step" in row:
+            step = row["step"]
+            cells[2] = f"{step['peak'] / MB:,.0f}"
+            cells[3] = f"{step['peak_above'] / MB:,.0f}{ratio(row, 'step', 'peak_above')}"
+            cells[4] = f"{step['tokens_per_s']:.0f}{ratio(row, 'step', 'tokens_per_s')}"
+        print(f"| {row['tokens']:,} | {row['path']} | {' | '.join(cells)} | {arithmetic} |")
 
 
 if __name__ == "__main__":
