@@ -351,6 +351,57 @@ def test_phase_decisions() -> None:
     assert decision.conditions[0].reason == "SpecChangeRefused"
 
 
+def test_a_run_the_trainer_failed_keeps_its_reason_once_the_pod_is_gone() -> None:
+    """The trainer reports Failed and the operator scales its Job to no pods at once: the pod
+    may be gone before its termination message was read. TrainerReady still says why, in the
+    trainer's words; a finished run whose pod is gone is not 'starting'."""
+    ok = condition(ConditionType.DEPENDENCIES_READY, True, Reason.READY)
+    message = "checkpoint volume full: /ckpt (PersistentVolumeClaim full): 1 KiB free"
+    run = {
+        "metadata": {"generation": 1},
+        "status": {
+            "phase": "Failed",
+            "conditions": [
+                {
+                    "type": "Progressing",
+                    "status": "False",
+                    "reason": "CheckpointVolumeFull",
+                    "message": message,
+                    "lastTransitionTime": "2026-12-02T00:00:00Z",
+                },
+            ],
+        },
+    }
+    reported = tr.reported_failure(run)
+    assert reported is not None
+    pod_gone = tr.workers_outcome([{"metadata": {"uid": "u"}, "status": {}}], [])
+    assert pod_gone.state == "starting"
+    decision = tr.decide("Failed", 1, None, ok, True, pod_gone, reported)
+    trainer = next(c for c in decision.conditions if c.type == "TrainerReady")
+    assert (trainer.status, trainer.reason, trainer.message) == (
+        "False",
+        "CheckpointVolumeFull",
+        message,
+    )
+    assert not decision.start
+    # Succeeded, or failed without the trainer's words: over, not starting.
+    for phase, said in (("Succeeded", None), ("Failed", None)):
+        decision = tr.decide(phase, 1, None, ok, True, pod_gone, said)
+        trainer = next(c for c in decision.conditions if c.type == "TrainerReady")
+        assert trainer.reason == Reason.FINISHED, trainer
+    # A run going on has no reported failure.
+    assert (
+        tr.reported_failure(
+            {
+                "status": {
+                    "conditions": [{"type": "Progressing", "status": "True", "reason": "Training"}]
+                }
+            }
+        )
+        is None
+    )
+
+
 def test_job_outcomes() -> None:
     assert tr.job_outcome(None, []).state == "absent"
     assert tr.job_outcome({"status": {"active": 1}}, []).state == "starting"

@@ -233,10 +233,12 @@ def decide(
     deps: Condition | None,
     deps_exist: bool,
     outcome: Outcome,
+    reported: Condition | None = None,
 ) -> Decision:
     """The phase, conditions and whether to start the trainer (pure).
 
     spec_problem: (reason, message) for an invalid spec or a refused change.
+    reported: the trainer's own Progressing condition when it reported the run failed.
     """
     accepted = ConditionType.SPEC_ACCEPTED
     conditions: list[Condition] = []
@@ -294,6 +296,16 @@ def decide(
                 "the trainer starts when the fleet and pool are ready",
                 generation,
             )
+    elif phase in TERMINAL_PHASES and outcome.state in ("starting", "running"):
+        # The run is over but its workload does not say so: the trainer reported it and its
+        # Job was scaled to no pods, maybe before its pod's termination message was read.
+        # The trainer's own words (its Progressing condition) say why.
+        if phase == Phase.FAILED and reported is not None:
+            trainer = condition(trainer_ready, False, reported.reason, reported.message, generation)
+        else:
+            trainer = condition(
+                trainer_ready, False, Reason.FINISHED, "the run is over", generation
+            )
     else:
         trainer = condition(
             trainer_ready, outcome.state == "running", outcome.reason, outcome.message, generation
@@ -321,6 +333,18 @@ def reported_status(run: Mapping[str, Any]) -> TrainingRunStatus:
         rollout_retry=RolloutRetry.model_validate(retry) if retry else None,
         activity=Activity.model_validate(activity) if activity else None,
     )
+
+
+def reported_failure(run: Mapping[str, Any]) -> Condition | None:
+    """The trainer's Progressing condition when it says the run failed (with its reason)."""
+    for item in (run.get("status") or {}).get("conditions") or []:
+        if (
+            item.get("type") == ConditionType.PROGRESSING
+            and item.get("status") == ConditionStatus.FALSE
+            and item.get("reason")
+        ):
+            return Condition.model_validate(item)
+    return None
 
 
 def stalled_condition(
@@ -560,7 +584,15 @@ def decide_run(
     generation = meta.get("generation", 0)
     deps, deps_exist = dependencies(admission.spec, meta["namespace"], fleet, pool, generation)
     outcome = workers_outcome(observed.jobs, observed.pods, observed.refused)
-    decision = decide(phase_of(run), generation, admission.problem, deps, deps_exist, outcome)
+    decision = decide(
+        phase_of(run),
+        generation,
+        admission.problem,
+        deps,
+        deps_exist,
+        outcome,
+        reported_failure(run),
+    )
     rollouts = rollouts_condition(reported_status(run), generation)
     if rollouts is not None:
         decision.conditions.append(rollouts)
