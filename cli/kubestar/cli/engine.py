@@ -37,6 +37,13 @@ def engine() -> None:
 )
 @click.option("--max-num-seqs", default=64, show_default=True)
 @click.option(
+    "--dtype",
+    default="auto",
+    show_default=True,
+    help="vLLM's --dtype. auto: on CPU float32 where the CPU lacks bf16 instructions "
+    "(vLLM-CPU would emulate them), else the model's own.",
+)
+@click.option(
     "--ready-timeout",
     default=0.0,
     help="Exit with an error when vLLM is not serving after this many seconds (0: wait; in "
@@ -58,6 +65,7 @@ def serve(
     gpu_memory_utilization: float,
     device: str,
     max_num_seqs: int,
+    dtype: str,
     ready_timeout: float,
     auth_token_file: str | None,
     print_command: bool,
@@ -79,6 +87,7 @@ def serve(
         gpu_memory_utilization=gpu_memory_utilization,
         device=device,
         max_num_seqs=max_num_seqs,
+        dtype=dtype,
         extra_args=list(extra_args),
         auth_token_file=auth_token_file or "",
     )

