@@ -14,8 +14,10 @@
 #
 # Networking: kind has pod networking, cluster DNS and kube-proxy, so the chart's defaults
 # apply (no hostNetwork; children listen on 0.0.0.0 inside their pods). Checkpoints: one
-# folder on the kind node (a hostPath, mode 1777) shared by the trainer and the engines, as
-# trainer.sharedCheckpoints.hostPath.
+# folder on the kind node (a hostPath, mode 1777), trainer.sharedCheckpoints.hostPath, that
+# every trainer pod writes to and the tests read the runs' files from. The engines take each
+# step's weights by broadcast from the trainer (the fleets' default weightSync) and mount it
+# only in a fleet with weightSync: volume.
 #
 # Not exercised on the project's own machines (no kind, no image registry there); the same
 # suite runs there on the local provider (e2e/local/run.sh).
@@ -57,7 +59,7 @@ e2e_traps teardown
 create_args=(--name "$CLUSTER" --kubeconfig "$KUBECONFIG_FILE" --wait 180s)
 [[ -n "${KIND_NODE_IMAGE:-}" ]] && create_args+=(--image "$KIND_NODE_IMAGE")
 step "kind create cluster" kind create cluster "${create_args[@]}"
-# The folder the trainer writes checkpoints and pushed weights to, and the engines read.
+# The folder the trainers write checkpoints (and their run files) to.
 step "shared checkpoint folder" docker exec "$CLUSTER-control-plane" \
     sh -c "mkdir -p $NODE_SHARED && chmod 1777 $NODE_SHARED"
 # The image: built into the host's Docker (the same two-layer build as for the local

@@ -78,3 +78,13 @@ def test_the_run_the_notes_name_is_in_the_example() -> None:
     docs = list(yaml.safe_load_all((REPO / "examples" / "tiny-cpu.yaml").read_text()))
     runs = [doc["metadata"]["name"] for doc in docs if doc["kind"] == "TrainingRun"]
     assert runs == ["tiny-cpu"]
+
+
+def test_notes_say_where_the_trained_model_lies(tmp_path: Path) -> None:
+    own_claim = render_notes(tmp_path)
+    assert "deletes with it. Copy it out first" in own_claim
+    shared = render_notes(tmp_path / "shared", "trainer.sharedCheckpoints.pvcClaimName=ckpt")
+    assert "on the shared checkpoint volume, kept when the run is deleted" in shared
+    section = '"Taking the trained model out"'
+    assert section in own_claim
+    assert f"## {section.strip(chr(34))}" in (REPO / "docs" / "operator.md").read_text()

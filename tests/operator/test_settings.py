@@ -74,6 +74,24 @@ def test_every_default_image_names_a_version() -> None:
     jsonschema.validate({**values, "images": pinned}, schema)
 
 
+def test_the_kubestar_tag_is_a_version_or_the_charts() -> None:
+    """images.kubestar.tag: empty (the chart's appVersion) or a tag, never latest, as
+    values.yaml says."""
+    chart = Path(__file__).resolve().parents[2] / "helm" / "kubestar"
+    values = yaml.safe_load((chart / "values.yaml").read_text())
+    schema = json.loads((chart / "values.schema.json").read_text())
+
+    def with_tag(tag: str) -> dict[str, object]:
+        images = values["images"]
+        return {**values, "images": {**images, "kubestar": {**images["kubestar"], "tag": tag}}}
+
+    for tag in ("", "0.1.0", "dev", "dev-upgrade", "v1.2_rc.3"):
+        jsonschema.validate(with_tag(tag), schema)
+    for tag in ("latest", "a b", ":0.1.0", "@sha256:" + "0" * 64):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(with_tag(tag), schema)
+
+
 def test_policy_is_closed_by_default_and_opened_by_values() -> None:
     from kubestar.operator.settings import Policy
 

@@ -1092,8 +1092,10 @@ class CheckpointSpec(Spec):
         "",
         description="Folder of the checkpoints. Empty: under the run's folder in a local run, "
         "the chart's trainer.checkpointDir on a cluster. With the chart's shared checkpoint "
-        "volume (trainer.sharedCheckpoints, which the engines mount to load new weights) "
-        "checkpoints go to checkpointDir/NAMESPACE/NAME there instead.",
+        "volume (trainer.sharedCheckpoints; optional, since engines take new weights by "
+        "broadcast unless their fleet sets weightSync: volume) checkpoints go to "
+        "checkpointDir/NAMESPACE/NAME there instead. The trained model is the newest "
+        "checkpoint's weights/ folder (status.lastCheckpoint).",
     )
     pvc_claim_name: str | None = Field(
         None,
