@@ -122,6 +122,11 @@ def test_the_function_alone_matches_log_softmax_with_uneven_chunks() -> None:
         lambda h, w: chunked_token_logprobs(h, w, targets, logits_per_chunk=3 * 11),
         (hidden, weight),
     )
+    # Every position in one chunk: the forward's logits serve the backward pass as they are.
+    assert torch.autograd.gradcheck(
+        lambda h, w: chunked_token_logprobs(h, w, targets, logits_per_chunk=10 * 11),
+        (hidden, weight),
+    )
 
 
 def saved_elements(model: Any, chunked: bool) -> int:

@@ -61,6 +61,9 @@ class _ChunkedTargetLogprobs(torch.autograd.Function):
         out = torch.empty(shape, dtype=wide, device=hidden.device)
         logprobs = out.view(-1)
         lse = torch.empty(positions, dtype=wide, device=hidden.device)
+        # One chunk holds every position (short rows): its logits are kept for the backward
+        # pass instead of recomputed, which costs no more memory than the recompute would.
+        kept: torch.Tensor | None = None
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, positions, chunk):
                 end = min(start + chunk, positions)
@@ -69,9 +72,12 @@ class _ChunkedTargetLogprobs(torch.autograd.Function):
                 lse[start:end] = torch.logsumexp(logits, dim=-1)
                 target = logits.gather(-1, targets[start:end, None]).squeeze(-1)
                 logprobs[start:end] = target - lse[start:end]
+                if positions <= chunk:
+                    kept = logits
                 del logits
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk = chunk
+        ctx.kept = kept
         return out
 
     @staticmethod
@@ -94,7 +100,8 @@ class _ChunkedTargetLogprobs(torch.autograd.Function):
                 end = min(start + ctx.chunk, positions)
                 h = hidden[start:end]
                 g = grad_logprobs[start:end, None]  # [c, 1]
-                logits = (h @ weight.T).to(wide)  # [c, V], recomputed
+                kept, ctx.kept = ctx.kept, None
+                logits = kept if kept is not None else (h @ weight.T).to(wide)  # [c, V]
                 # d logprob / d logits = onehot(target) - softmax(logits)
                 grad_logits = torch.exp(logits.sub_(lse[start:end, None])).mul_(-g)
                 grad_logits.scatter_add_(-1, targets[start:end, None], g)
