@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+import pytest
 from kubestar.api import conditions, trainer_contract
 from kubestar.api.conditions import (
     TERMINAL_PHASES,
@@ -24,7 +25,7 @@ from kubestar.api.v1alpha1 import (
 from kubestar.operator import conditions as cond
 from kubestar.operator import reconciler, rolloutfleet
 from kubestar.operator import trainingrun as tr
-from kubestar.operator.reconciler import EngineProbe, SchedulerProbe, status_fields
+from kubestar.operator.reconciler import Context, EngineProbe, SchedulerProbe, status_fields
 from kubestar.operator.rolloutfleet import fleet_status
 from kubestar.operator.sandboxpool import pool_status
 from kubestar.operator.settings import OperatorSettings
@@ -351,55 +352,59 @@ def test_phase_decisions() -> None:
     assert decision.conditions[0].reason == "SpecChangeRefused"
 
 
-def test_a_run_the_trainer_failed_keeps_its_reason_once_the_pod_is_gone() -> None:
-    """The trainer reports Failed and the operator scales its Job to no pods at once: the pod
-    may be gone before its termination message was read. TrainerReady still says why, in the
-    trainer's words; a finished run whose pod is gone is not 'starting'."""
+def test_a_trainer_that_reported_failed_is_given_time_to_say_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The trainer reports Failed, then exits writing why in its termination message. Its Job
+    is not scaled to no pods (which would kill it first) while its pod still runs, for up
+    to TRAINER_EXIT_GRACE_SECONDS; once the pod has failed, TrainerReady carries its words."""
     ok = condition(ConditionType.DEPENDENCIES_READY, True, Reason.READY)
+    run = {"metadata": {"namespace": "team", "name": "r", "generation": 1}}
+    job = {"metadata": {"uid": "u", "name": "r-trainer"}, "status": {"active": 1}}
+    owner = {"ownerReferences": [{"uid": "u"}]}
+    running = {"metadata": {"name": "r-trainer-x", **owner}, "status": {"phase": "Running"}}
+    observed = tr.Observed(accepted=None, job_names=["r-trainer"], jobs=[job], pods=[running])
+    ctx = Context(kube=cast(Any, None), settings=OperatorSettings())
+    clock = [100.0]
+    monkeypatch.setattr(tr.time, "monotonic", lambda: clock[0])
+
+    # Still exiting: the run is over, the Job is left alone.
+    decision = tr.decide("Failed", 1, None, ok, True, tr.workers_outcome([job], [running]))
+    trainer = next(c for c in decision.conditions if c.type == "TrainerReady")
+    assert (decision.phase, trainer.reason) == ("Failed", Reason.FINISHED)
+    assert tr.trainer_exiting(ctx, run, observed)
+    clock[0] += tr.TRAINER_EXIT_GRACE_SECONDS - 1
+    assert tr.trainer_exiting(ctx, run, observed)
+    # A trainer that does not exit in time is stopped.
+    clock[0] += 2
+    assert not tr.trainer_exiting(ctx, run, observed)
+
+    # It exited stating why: the reason shows, and the Job may be scaled (no retry).
     message = "checkpoint volume full: /ckpt (PersistentVolumeClaim full): 1 KiB free"
-    run = {
-        "metadata": {"generation": 1},
+    failed = {
+        "metadata": {"name": "r-trainer-x", **owner},
         "status": {
             "phase": "Failed",
-            "conditions": [
+            "containerStatuses": [
                 {
-                    "type": "Progressing",
-                    "status": "False",
-                    "reason": "CheckpointVolumeFull",
-                    "message": message,
-                    "lastTransitionTime": "2026-12-02T00:00:00Z",
-                },
+                    "name": "trainer",
+                    "state": {
+                        "terminated": {
+                            "exitCode": 28,
+                            "message": f"CheckpointVolumeFull: {message}\n",
+                        }
+                    },
+                }
             ],
         },
     }
-    reported = tr.reported_failure(run)
-    assert reported is not None
-    pod_gone = tr.workers_outcome([{"metadata": {"uid": "u"}, "status": {}}], [])
-    assert pod_gone.state == "starting"
-    decision = tr.decide("Failed", 1, None, ok, True, pod_gone, reported)
+    ctx.exiting.clear()
+    exited = tr.Observed(accepted=None, job_names=["r-trainer"], jobs=[job], pods=[failed])
+    assert not tr.trainer_exiting(ctx, run, exited)
+    decision = tr.decide("Failed", 1, None, ok, True, tr.workers_outcome([job], [failed]))
     trainer = next(c for c in decision.conditions if c.type == "TrainerReady")
-    assert (trainer.status, trainer.reason, trainer.message) == (
-        "False",
-        "CheckpointVolumeFull",
-        message,
-    )
-    assert not decision.start
-    # Succeeded, or failed without the trainer's words: over, not starting.
-    for phase, said in (("Succeeded", None), ("Failed", None)):
-        decision = tr.decide(phase, 1, None, ok, True, pod_gone, said)
-        trainer = next(c for c in decision.conditions if c.type == "TrainerReady")
-        assert trainer.reason == Reason.FINISHED, trainer
-    # A run going on has no reported failure.
-    assert (
-        tr.reported_failure(
-            {
-                "status": {
-                    "conditions": [{"type": "Progressing", "status": "True", "reason": "Training"}]
-                }
-            }
-        )
-        is None
-    )
+    assert (trainer.status, trainer.reason) == ("False", "CheckpointVolumeFull")
+    assert message in trainer.message
 
 
 def test_job_outcomes() -> None:

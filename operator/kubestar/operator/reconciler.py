@@ -148,6 +148,9 @@ class Context:
     # (namespace, name) -> a TrainingRun's activity as last seen, and when it was first seen
     # (this process's monotonic clock): the watchdog's memory.
     activities: dict[tuple[str, str], tuple[str, float]] = field(default_factory=dict)
+    # (namespace, name) -> when a failed TrainingRun's trainer was first seen still running
+    # (monotonic): it is given time to exit and state why (trainingrun.trainer_exiting).
+    exiting: dict[tuple[str, str], float] = field(default_factory=dict)
     _server_version: tuple[int, int] | None = None
 
     async def server_version(self) -> tuple[int, int]:

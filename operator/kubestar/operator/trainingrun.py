@@ -233,12 +233,10 @@ def decide(
     deps: Condition | None,
     deps_exist: bool,
     outcome: Outcome,
-    reported: Condition | None = None,
 ) -> Decision:
     """The phase, conditions and whether to start the trainer (pure).
 
     spec_problem: (reason, message) for an invalid spec or a refused change.
-    reported: the trainer's own Progressing condition when it reported the run failed.
     """
     accepted = ConditionType.SPEC_ACCEPTED
     conditions: list[Condition] = []
@@ -297,15 +295,9 @@ def decide(
                 generation,
             )
     elif phase in TERMINAL_PHASES and outcome.state in ("starting", "running"):
-        # The run is over but its workload does not say so: the trainer reported it and its
-        # Job was scaled to no pods, maybe before its pod's termination message was read.
-        # The trainer's own words (its Progressing condition) say why.
-        if phase == Phase.FAILED and reported is not None:
-            trainer = condition(trainer_ready, False, reported.reason, reported.message, generation)
-        else:
-            trainer = condition(
-                trainer_ready, False, Reason.FINISHED, "the run is over", generation
-            )
+        # The trainer reported the end itself and its pod is exiting (or was stopped): the
+        # pod's termination message, once it has one, says why (the branch below).
+        trainer = condition(trainer_ready, False, Reason.FINISHED, "the run is over", generation)
     else:
         trainer = condition(
             trainer_ready, outcome.state == "running", outcome.reason, outcome.message, generation
@@ -333,18 +325,6 @@ def reported_status(run: Mapping[str, Any]) -> TrainingRunStatus:
         rollout_retry=RolloutRetry.model_validate(retry) if retry else None,
         activity=Activity.model_validate(activity) if activity else None,
     )
-
-
-def reported_failure(run: Mapping[str, Any]) -> Condition | None:
-    """The trainer's Progressing condition when it says the run failed (with its reason)."""
-    for item in (run.get("status") or {}).get("conditions") or []:
-        if (
-            item.get("type") == ConditionType.PROGRESSING
-            and item.get("status") == ConditionStatus.FALSE
-            and item.get("reason")
-        ):
-            return Condition.model_validate(item)
-    return None
 
 
 def stalled_condition(
@@ -584,15 +564,7 @@ def decide_run(
     generation = meta.get("generation", 0)
     deps, deps_exist = dependencies(admission.spec, meta["namespace"], fleet, pool, generation)
     outcome = workers_outcome(observed.jobs, observed.pods, observed.refused)
-    decision = decide(
-        phase_of(run),
-        generation,
-        admission.problem,
-        deps,
-        deps_exist,
-        outcome,
-        reported_failure(run),
-    )
+    decision = decide(phase_of(run), generation, admission.problem, deps, deps_exist, outcome)
     rollouts = rollouts_condition(reported_status(run), generation)
     if rollouts is not None:
         decision.conditions.append(rollouts)
@@ -639,7 +611,7 @@ async def act(
     """Stop a failed run's Jobs, watch for a stall, start the trainer when `decision` says
     so, and write the status."""
     generation = run["metadata"].get("generation", 0)
-    if decision.phase == Phase.FAILED:
+    if decision.phase == Phase.FAILED and not trainer_exiting(ctx, run, observed):
         await stop_jobs(ctx, run, [job for job in observed.jobs if job is not None])
     stalled = watchdog(ctx, run, decision.phase, reported_status(run), spec, generation)
     if stalled is not None:
@@ -701,6 +673,27 @@ def finished(job: Mapping[str, Any]) -> bool:
         item.get("type") in ("Complete", "Failed") and item.get("status") == ConditionStatus.TRUE
         for item in (job.get("status") or {}).get("conditions") or []
     )
+
+
+# How long a trainer that reported the run Failed itself is given to exit on its own. It states
+# why in its termination message as it exits; scaling its Job first would kill it before that.
+TRAINER_EXIT_GRACE_SECONDS = 60.0
+
+
+def trainer_exiting(ctx: Context, run: Mapping[str, Any], observed: Observed) -> bool:
+    """Whether a failed run's trainer is still exiting on its own: no pod has failed yet, one
+    still runs, and the operator first saw that less than TRAINER_EXIT_GRACE_SECONDS ago
+    (its own clock: a restarted operator waits again)."""
+    meta = run["metadata"]
+    key = (meta["namespace"], meta["name"])
+    outcome = workers_outcome(observed.jobs, observed.pods, observed.refused)
+    running = any((pod.get("status") or {}).get("phase") == "Running" for pod in observed.pods)
+    if outcome.state == "failed" or not running:
+        ctx.exiting.pop(key, None)
+        return False
+    now = time.monotonic()
+    first = ctx.exiting.setdefault(key, now)
+    return now - first < TRAINER_EXIT_GRACE_SECONDS
 
 
 async def stop_jobs(
