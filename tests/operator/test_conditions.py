@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import time
 from pathlib import Path
 from typing import Any, cast
 
@@ -366,7 +367,7 @@ def test_a_trainer_that_reported_failed_is_given_time_to_say_why(
     observed = tr.Observed(accepted=None, job_names=["r-trainer"], jobs=[job], pods=[running])
     ctx = Context(kube=cast(Any, None), settings=OperatorSettings())
     clock = [100.0]
-    monkeypatch.setattr(tr.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
 
     # Still exiting: the run is over, the Job is left alone.
     decision = tr.decide("Failed", 1, None, ok, True, tr.workers_outcome([job], [running]))
