@@ -1544,29 +1544,22 @@ def test_a_full_checkpoint_volume_fails_the_run_naming_it(tools: Tools, settings
         ready = wait_for("TrainerReady to say CheckpointVolumeFull", stated, 180, interval=2)
         assert "PersistentVolumeClaim e2e-full-volume" in ready["message"], ready
         settings.notes["checkpoint_volume_full"] = ready["message"]
-        job = tools.kubectl_json("get", "job", f"{FULL}-trainer", "-n", settings.namespace)
-        wait_for(
-            "the full run's Job to be scaled to no pods",
-            lambda: (
-                tools.kubectl_json("get", "job", f"{FULL}-trainer", "-n", settings.namespace)[
-                    "spec"
-                ].get("parallelism")
-                == 0
-            ),
-            timeout=60,
-        )
 
-        # No retry: the one pod, or none when the Job's scaling to no pods deleted it first.
-        # Kubernetes 1.20's Job controller makes its replacement as the trainer exits, before
-        # any operator can scale the Job; scaled, the Job deletes it at once.
-        def kept() -> list[str]:
-            pods = tools.items("pods", settings.namespace, f"{INSTANCE}={FULL}")
-            return [
-                p["metadata"]["name"] for p in pods if not p["metadata"].get("deletionTimestamp")
-            ]
+        # No retry (Kubernetes 1.20 has no podFailurePolicy): the operator set the Job's
+        # backoffLimit to 0 when the trainer reported Failed, so the trainer's exit failed the
+        # Job (or, had it not exited in time, the Job was scaled to no pods).
+        def stopped() -> Obj | None:
+            job = tools.kubectl_json("get", "job", f"{FULL}-trainer", "-n", settings.namespace)
+            failed = any(
+                c.get("type") == "Failed" and c.get("status") == "True"
+                for c in job.get("status", {}).get("conditions") or []
+            )
+            return job if failed or job["spec"].get("parallelism") == 0 else None
 
-        wait_for("no more than the one trainer pod kept", lambda: len(kept()) <= 1, timeout=60)
-        assert job["spec"]["backoffLimit"] > 0  # a retry it would have made
+        job = wait_for("the full run's Job to fail or be scaled to no pods", stopped, timeout=60)
+        pods = tools.items("pods", settings.namespace, f"{INSTANCE}={FULL}")
+        assert len(pods) <= 1, [p["metadata"]["name"] for p in pods]
+        assert job.get("status", {}).get("failed", 0) <= 1, job["status"]
     finally:
         tools.kubectl_run(
             "delete",

@@ -611,8 +611,12 @@ async def act(
     """Stop a failed run's Jobs, watch for a stall, start the trainer when `decision` says
     so, and write the status."""
     generation = run["metadata"].get("generation", 0)
-    if decision.phase == Phase.FAILED and not trainer_exiting(ctx, run, observed):
-        await stop_jobs(ctx, run, [job for job in observed.jobs if job is not None])
+    if decision.phase == Phase.FAILED:
+        jobs = [job for job in observed.jobs if job is not None]
+        if trainer_exiting(ctx, run, observed):
+            await stop_retries(ctx, jobs)
+        else:
+            await stop_jobs(ctx, run, jobs)
     stalled = watchdog(ctx, run, decision.phase, reported_status(run), spec, generation)
     if stalled is not None:
         decision.conditions.append(stalled)
@@ -676,7 +680,8 @@ def finished(job: Mapping[str, Any]) -> bool:
 
 
 # How long a trainer that reported the run Failed itself is given to exit on its own. It states
-# why in its termination message as it exits; scaling its Job first would kill it before that.
+# why in its termination message as it exits; scaling its Job first would kill it before that
+# (meanwhile its Job is told not to retry: stop_retries).
 TRAINER_EXIT_GRACE_SECONDS = 60.0
 
 
@@ -694,6 +699,19 @@ def trainer_exiting(ctx: Context, run: Mapping[str, Any], observed: Observed) ->
     now = time.monotonic()
     first = ctx.exiting.setdefault(key, now)
     return now - first < TRAINER_EXIT_GRACE_SECONDS
+
+
+async def stop_retries(ctx: Context, jobs: Sequence[Mapping[str, Any]]) -> None:
+    """A failed run's trainer Jobs fail at their pods' exit instead of retrying (backoffLimit
+    0), leaving the exiting trainer be (podFailurePolicy does this on Kubernetes 1.26+)."""
+    for job in jobs:
+        if finished(job) or (job.get("spec") or {}).get("backoffLimit") == 0:
+            continue
+        meta = job["metadata"]
+        await ctx.kube.merge_patch(
+            k.path("batch/v1", "Job", meta["namespace"], meta["name"]),
+            {"spec": {"backoffLimit": 0}},
+        )
 
 
 async def stop_jobs(

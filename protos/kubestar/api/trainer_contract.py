@@ -62,8 +62,9 @@ AcceleratorUnavailable: torch does not see the GPUs KUBESTAR_GPUS says the pod h
 `Reason: message` to its termination message (TERMINATION_LOG) and exits with
 EXIT_FINAL_FAILURE, which fails its Job at once (podFailurePolicy, Kubernetes 1.26 and later)
 instead of retrying: a retry would meet the same failure. TrainerReady then carries the
-reason and message. On older servers the operator scales the Job to no pods once the trainer
-that reported Failed has exited (or after 60 s), which deletes the replacement the Job made.
+reason and message. On older servers the operator sets the Job's backoffLimit to 0 when the
+trainer reports Failed, so that its exit fails the Job too (and scales the Job to no pods
+if the trainer has not exited within 60 s).
 
 The operator (kubestar.operator.build_trainer) writes this contract and the trainer
 (`kubestar train --in-cluster`) reads it; both import it from here, so neither imports the
