@@ -11,21 +11,10 @@ from pathlib import Path
 
 import yaml
 
-from e2e.local_cluster import LocalCluster
-from tests.real_parts import missing
+from tests.operator.test_auth import helm_binary
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "kubestar"
-
-
-def helm_binary(tmp_path: Path) -> str:
-    found = shutil.which("helm")
-    if found:
-        return found
-    candidate = LocalCluster(tmp_path).bin / "helm"
-    if candidate.exists() and os.access(candidate, os.X_OK):
-        return str(candidate)
-    missing("no helm binary (e2e/local/install.sh fetches one)")
 
 
 def render_notes(tmp_path: Path, *sets: str) -> str:
