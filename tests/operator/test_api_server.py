@@ -251,7 +251,7 @@ def test_helm_lint_and_template(cluster: LocalCluster) -> None:
 def test_chart_installed(cluster: LocalCluster, chart: str) -> None:
     status = json.loads(cluster.helm("status", "kubestar", "-n", chart, "-o", "json").stdout)
     assert status["info"]["status"] == "deployed"
-    assert "kubectl get trainingruns" in status["info"]["notes"]
+    assert "kubectl get trainingrun -w" in status["info"]["notes"]
     deployment = json.loads(
         cluster.kubectl("get", "-n", chart, "deployment", "kubestar-operator", "-o", "json").stdout
     )

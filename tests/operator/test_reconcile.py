@@ -267,10 +267,16 @@ def test_spec_change_rolls_out_and_deleted_child_is_recreated(
     wait_for("the workers", lambda: api.get(sts))
     api.merge_patch(kubestar(namespace, "sandboxpools", "grow"), {"spec": {"replicas": 3}})
     wait_for("3 workers", lambda: (api.get(sts) or {})["spec"]["replicas"] == 3)
-    dispatcher = api.get(apis("apps/v1", namespace, "deployments", "grow-sandbox"))
-    assert dispatcher is not None
-    command = dispatcher["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert command.count("--worker") == 3
+
+    def dispatcher_workers() -> int:
+        # The StatefulSet is applied before the dispatcher's Deployment; read it once both are.
+        dispatcher = api.get(apis("apps/v1", namespace, "deployments", "grow-sandbox")) or {
+            "spec": {"template": {"spec": {"containers": [{"command": []}]}}}
+        }
+        command = dispatcher["spec"]["template"]["spec"]["containers"][0]["command"]
+        return int(command.count("--worker"))
+
+    wait_for("the dispatcher given 3 workers", lambda: dispatcher_workers() == 3)
     api.delete(core(namespace, "services", "grow-sandbox"))
     service = wait_for(
         "the Service re-created",
