@@ -36,10 +36,21 @@ if grep -q ': running' <<<"$("$HERE/cluster.sh" status "$DIR" 2>/dev/null || tru
     exit 2
 fi
 
+# On the host's network the suite's pods listen on fixed ports (the sandbox's 50051-50052 and
+# 51051-51052 for metrics, the scheduler's 50061, the tenant pool's 50151...), inside the
+# kernel's ephemeral range (32768-60999): a connection made first from this machine (the API
+# server's to etcd) can take one, and the pod then crash-loops with "Address already in use".
+# They are reserved while the suite runs; the machine's own reservations are put back after.
+POD_PORTS=50000-52999
+RESERVED=/proc/sys/net/ipv4/ip_local_reserved_ports
+machine_reserved=$(cat "$RESERVED")
+reserve_pod_ports() { echo "$POD_PORTS${machine_reserved:+,$machine_reserved}" >"$RESERVED"; }
+
 e2e_output
 teardown() {
     local rc=0
     step "cluster stop" "$HERE/cluster.sh" stop "$DIR" || rc=1
+    echo "$machine_reserved" >"$RESERVED" || rc=1
     # The small volume the full-checkpoint-volume test mounts (unmounted by the test itself
     # unless it was interrupted).
     if mountpoint -q "$DIR/e2e-full-volume"; then umount "$DIR/e2e-full-volume" || rc=1; fi
@@ -49,6 +60,7 @@ teardown() {
 e2e_traps teardown
 
 step "install (binaries)" "$HERE/install.sh"
+reserve_pod_ports
 # A fresh cluster state (PKI and the node's images stay), then the cluster with its node,
 # tried once more if it does not come up (start_cluster, e2e/lib.sh).
 export KUBESTAR_WITH_NODE=1

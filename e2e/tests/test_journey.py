@@ -1232,7 +1232,7 @@ def test_search_on_the_fleet_and_the_pool(tools: Tools, settings: Settings) -> N
 
 
 FAULTS, FULL = "e2e-faults", "e2e-full"
-STEPS = 11  # e2e/manifests/faults-run.yaml
+STEPS = 9  # e2e/manifests/faults-run.yaml
 
 
 def sandbox_answers(tools: Tools, settings: Settings, dispatcher: str) -> float:
