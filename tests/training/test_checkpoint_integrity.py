@@ -284,17 +284,17 @@ def test_a_full_volume_fails_the_run_with_its_reason(tmp_path: Path) -> None:
     from tests.training.test_train_session import rl_steps, train_command
 
     volume = tmp_path / "volume"
-    command, env = train_command(tmp_path, steps=2)
+    command, env = train_command(tmp_path, steps=1)
     manifest = tmp_path / "run.yaml"
-    manifest.write_text(
-        manifest.read_text().replace(
-            "checkpoint: {everySteps: 2, keep: 5}",
-            f"checkpoint: {{everySteps: 2, keep: 5, path: {volume}}}",
-        )
+    # One step, checkpointed, and no evaluation: the subject is the volume.
+    text = manifest.read_text().replace(
+        "checkpoint: {everySteps: 2, keep: 5}",
+        f"checkpoint: {{everySteps: 1, keep: 5, path: {volume}}}",
     )
+    manifest.write_text(text.replace("at: [start, end]", "at: []"))
     done, left = in_tiny_volume(volume, command, env=env, timeout=900)
     assert done.returncode == EXIT_FINAL_FAILURE, done.stderr[-3000:]
-    assert [m["step"] for m in rl_steps(tmp_path)] == [1, 2]  # it failed saving step 2
+    assert [m["step"] for m in rl_steps(tmp_path)] == [1]  # it failed saving step 1
     status = json.loads((tmp_path / "run" / "status.json").read_text())
     assert status["phase"] == "Failed"
     (progressing,) = [c for c in status["conditions"] if c["type"] == "Progressing"]
@@ -303,7 +303,7 @@ def test_a_full_volume_fails_the_run_with_its_reason(tmp_path: Path) -> None:
         Reason.CHECKPOINT_VOLUME_FULL,
     )
     message = progressing["message"]
-    assert message.startswith(f"checkpoint volume full: {volume}: writing step-000002 failed")
+    assert message.startswith(f"checkpoint volume full: {volume}: writing step-000001 failed")
     assert "spec.checkpoint.keep, now 5" in message
     assert f"kubestar: {message}" in done.stderr  # said once, in one line
     assert left == []  # no .tmp folder: the space came back
