@@ -17,6 +17,7 @@ from kubestar.api.v1alpha1 import (
     load_manifests,
 )
 from kubestar.cli.sandbox import call_policy, serve_command
+from kubestar.engine.models import DEFAULT_MODEL
 from kubestar.operator import build_fleet, build_sandbox, build_trainer
 from kubestar.operator import objects as o
 from kubestar.operator.settings import OperatorSettings
@@ -446,6 +447,27 @@ def test_trainer_pods_read_the_model_from_its_claim() -> None:
     # Where the trainer (`kubestar train --in-cluster`) and the engines load it from.
     assert claimed.model.location() == "/models/q"
     assert ModelSource(path="/opt/m", name="x").location() == "/opt/m"
+
+
+def test_a_model_that_names_none_is_the_embedded_default_and_shows_no_name() -> None:
+    """A claim's model is not shown as SmolLM2's in `kubectl get -o yaml` (the name's default
+    is empty); a source that gives nothing is the embedded model, here and in a local run."""
+    claimed = ModelSource(pvc_claim_name="models", pvc_sub_path="Qwen3-14B")
+    assert claimed.name == "" and claimed.location() == "/models/Qwen3-14B"
+    assert "name" not in claimed.model_dump(by_alias=True, exclude_defaults=True)
+    assert ModelSource().location() == ModelSource().local_location() == DEFAULT_MODEL
+    assert ModelSource(name="tiny-random-llama").local_location() == "tiny-random-llama"
+    # A local run cannot mount the claim: its path is where the same model is found.
+    assert ModelSource(pvc_claim_name="m", path="/opt/q").local_location() == "/opt/q"
+    # A fleet serves it under its location when it has no name.
+    spec = RolloutFleetSpec.model_validate(
+        {"model": {"pvcClaimName": "models", "pvcSubPath": "q"}, "scheduler": {"openaiPort": 8001}}
+    )
+    (container,) = containers(
+        build_fleet.scheduler_deployment(parent("RolloutFleet", "f"), spec, OperatorSettings())
+    )
+    command = container["command"]
+    assert command[command.index("--served-model-name") + 1] == "/models/q"
 
 
 def test_an_operator_upgrade_leaves_gpu_engines_alone() -> None:

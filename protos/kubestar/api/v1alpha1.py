@@ -32,6 +32,9 @@ API_VERSION = f"{GROUP}/{VERSION}"
 
 # Where a model's claim (model.pvcClaimName) is mounted, read-only, in the pods that read it.
 MODEL_MOUNT = "/models"
+# The model the images carry and a ModelSource that names none runs
+# (kubestar.engine.models.DEFAULT_MODEL, the same name).
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # Trajectories rolled out per kept one under grpo-roc, unless algorithm.oversampleFactor says.
 ROC_OVERSAMPLE_FACTOR = 2.0
 
@@ -453,10 +456,11 @@ class ModelSource(Spec):
     pvcClaimName, path, name."""
 
     name: str = Field(
-        "SmolLM2-135M-Instruct",
-        description="A model name the images carry (SmolLM2-135M-Instruct, or "
-        "tiny-random-llama for tests). Used when neither path nor pvcClaimName is set; models "
-        "are never downloaded.",
+        "",
+        description=f"A model name the images carry ({DEFAULT_MODEL_NAME}, or "
+        "tiny-random-llama for tests), used when neither path nor pvcClaimName is set; empty: "
+        f"{DEFAULT_MODEL_NAME}. A RolloutFleet's OpenAI-compatible API also serves its model "
+        "under this name (empty: the model's location). Models are never downloaded.",
     )
     path: str | None = Field(
         None,
@@ -476,10 +480,14 @@ class ModelSource(Spec):
     )
 
     def location(self) -> str:
-        """The model as a pod finds it: the claim's folder, else path, else the name."""
+        """The model as a pod finds it: the claim's folder, else `local_location`."""
         if self.pvc_claim_name:
             return f"{MODEL_MOUNT}/{self.pvc_sub_path}".rstrip("/")
-        return self.path or self.name
+        return self.local_location()
+
+    def local_location(self) -> str:
+        """The model as a local run finds it (it mounts no claim): path, else the name."""
+        return self.path or self.name or DEFAULT_MODEL_NAME
 
 
 class EngineSpec(Spec):

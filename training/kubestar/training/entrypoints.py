@@ -304,7 +304,7 @@ def _train_here(
                 f"spec.replicas engines and scales none (the operator does, in a cluster); "
                 "remove it from the manifest to run here"
             )
-        source = run.spec.model.path or run.spec.model.name
+        source = run.spec.model.local_location()
         say(f"preparing model {source}")
         model_dir = resolve_model(source)
 
@@ -413,7 +413,7 @@ def _train_rank(
     from kubestar.training.session import TrainingSession
     from kubestar.training.stopping import EXIT_STOPPED, FinalFailure, TrainingStopped
 
-    model_dir = resolve_model(run.spec.model.path or run.spec.model.name)
+    model_dir = resolve_model(run.spec.model.local_location())
     reporter = FileReporter(directory / f"status-rank-{world.rank}.json")  # never written
     session = TrainingSession(
         run, Endpoints(scheduler="", sandbox=""), directory, model_dir, reporter, world=world
@@ -494,7 +494,7 @@ def _train_worker_pod(
         if not world.main:
             _train_rank(run, directory, world, TERMINATION_LOG)
             return
-        model_dir = resolve_model(run.spec.model.path or run.spec.model.name)
+        model_dir = resolve_model(run.spec.model.local_location())
         endpoints = Endpoints(
             scheduler=env.scheduler_endpoint,
             sandbox=env.sandbox_endpoint,
