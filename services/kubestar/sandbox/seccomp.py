@@ -19,7 +19,9 @@ sched_setscheduler and the other scheduler setters, ioprio_set, mbind and the ot
 policies (OpenBLAS asks mbind for a NUMA preference and goes on without), sethostname and
 setdomainname, the clocks' setters (settimeofday, clock_settime, adjtimex), POSIX message
 queues (kept across calls: an executor empties only System V objects), kernel AIO, sync and
-syncfs (they flush every filesystem of the machine), and any system call newer than this
+syncfs (they flush every filesystem of the machine), cachestat (what the page cache holds of
+a file: a side channel), vmsplice, tee and membarrier (kernel paths with a history of flaws
+that CPython and the maths libraries never take), and any system call newer than this
 libseccomp.
 
 Some allowed calls are allowed only with some arguments, the rest answering ENOSYS as well:
@@ -37,11 +39,12 @@ new mount API), reach the kernel's least-tested paths (bpf, perf_event_open, use
 io_uring, keyrings, modify_ldt, open_by_handle_at, fanotify) or the machine's controls (kexec,
 kernel modules, reboot, swap, syslog, accounting, quotas). socket() and socketpair() of any
 family but AF_UNIX, AF_INET and AF_INET6 get EPERM (no netlink, vsock, packet, ... sockets:
-the kernel's interfaces a call has no use for; AF_INET is still cut off by the network
-namespace). clone() with a namespace flag gets EPERM too; clone3() is not on the list
-(ENOSYS): its flags sit in memory that a filter cannot read, and C libraries fall back to
-clone() when it is missing, whose flags the filter does check. A 32-bit or x32 system call
-from the 64-bit process kills it.
+the kernel's interfaces a call has no use for), and so do AF_INET and AF_INET6 sockets but TCP
+and UDP ones (no SCTP, DCCP, L2TP, raw or ping sockets, whose modules the kernel would load on
+demand; TCP and UDP are still cut off by the network namespace). clone() with a namespace
+flag gets EPERM too; clone3() is not on the list (ENOSYS): its flags sit in memory that a
+filter cannot read, and C libraries fall back to clone() when it is missing, whose flags the
+filter does check. A 32-bit or x32 system call from the 64-bit process kills it.
 
 The worker loads the filter into each zygote (isolation.py) just before it becomes the zygote;
 every call's process is forked from it and inherits it, so the filter is in force before the
@@ -105,7 +108,6 @@ ALLOWED = (
     "futex_wake",
     "futex_wait",
     "futex_requeue",
-    "membarrier",
     "arch_prctl",
     "prctl",
     "restart_syscall",
@@ -267,7 +269,6 @@ ALLOWED = (
     "sync_file_range",
     "fadvise64",
     "readahead",
-    "cachestat",
     "utime",
     "utimes",
     "utimensat",
@@ -275,8 +276,6 @@ ALLOWED = (
     "sendfile",
     "copy_file_range",
     "splice",
-    "tee",
-    "vmsplice",
     "getxattr",
     "lgetxattr",
     "fgetxattr",
@@ -436,6 +435,14 @@ AF_UNIX = 1
 AF_INET = 2
 AF_INET6 = 10
 SOCKET_FAMILIES = (AF_UNIX, AF_INET, AF_INET6)
+# Of AF_INET and AF_INET6, only TCP and UDP (a call has no network: its loopback is down), not
+# the protocols whose modules the kernel would load on demand (SCTP, DCCP, L2TP, ...):
+# each type (the low bits of socket()'s second argument; the rest are SOCK_NONBLOCK and
+# SOCK_CLOEXEC) with the protocols it may name, 0 being the type's default.
+SOCK_TYPE_MASK = 0xF
+SOCK_STREAM, SOCK_DGRAM = 1, 2
+IPPROTO_TCP, IPPROTO_UDP = 6, 17
+INET_PROTOCOLS = {SOCK_STREAM: (0, IPPROTO_TCP), SOCK_DGRAM: (0, IPPROTO_UDP)}
 # personality(): the query, and plain PER_LINUX (linux/personality.h); the kernel reads the
 # low 32 bits.
 PERSONALITY_QUERY = 0xFFFFFFFF
@@ -658,11 +665,13 @@ def build_call_filter(built: Filter) -> None:
         built.refuse("clone", errno.EPERM, arg0_has(flag))
     # SOCKET_FAMILIES run; every other family gets EPERM: each value below the highest one,
     # and anything above it (the whole register: upper bits set do not turn a refused family
-    # into an allowed one).
+    # into an allowed one). AF_INET and AF_INET6 only as INET_PROTOCOLS say.
     highest = max(SOCKET_FAMILIES)
     for syscall in ("socket", "socketpair"):
         for family in range(highest + 1):
-            if family in SOCKET_FAMILIES:
+            if family in (AF_INET, AF_INET6):
+                _inet_rules(built, syscall, family)
+            elif family in SOCKET_FAMILIES:
                 built.allow(syscall, arg0_is(family))
             else:
                 built.refuse(syscall, errno.EPERM, arg0_is(family))
@@ -675,6 +684,25 @@ def build_call_filter(built: Filter) -> None:
     # among them where calls share its uid), nor another pid.
     built.allow("setpriority", arg_is(0, PRIO_PROCESS), arg_is(1, 0))
     built.allow("prlimit64", arg_is(0, 0))
+
+
+def _inet_rules(built: Filter, syscall: str, family: int) -> None:
+    """`family`'s sockets: the INET_PROTOCOLS run, any other type or protocol gets EPERM (the
+    rules are disjoint: one comparison per argument, every value named or bounded)."""
+    for kind in range(SOCK_TYPE_MASK + 1):
+        of_kind = (arg0_is(family), arg_masked(1, SOCK_TYPE_MASK, kind))
+        protocols = INET_PROTOCOLS.get(kind)
+        if protocols is None:
+            built.refuse(syscall, errno.EPERM, *of_kind)
+            continue
+        for protocol in range(max(protocols) + 1):
+            if protocol in protocols:
+                built.allow(syscall, *of_kind, arg_is(2, protocol))
+            else:
+                built.refuse(syscall, errno.EPERM, *of_kind, arg_is(2, protocol))
+        built.refuse(
+            syscall, errno.EPERM, *of_kind, ArgumentComparison(2, SCMP_CMP_GT, max(protocols), 0)
+        )
 
 
 def load_call_filter() -> None:
