@@ -9,6 +9,8 @@ tests.sandbox.unprivileged); not dumpable and the OOM score hold without isolati
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -204,3 +206,64 @@ def test_proc_shows_the_call_nothing_of_the_host_and_is_read_only(
     assert seen["core_pattern"] in ("OSError", "PermissionError"), seen
     assert "ro" in seen["sys_mount"].split(","), seen
     assert seen["own_status"].startswith("read ") and seen["own_status"] != "read 0 bytes"
+
+
+# Looks through the call's own writable memory (anonymous mappings, heap, stack: where the
+# zygote's buffers and its allocator's memory are) for a 64-hex-digit string whose sha256 is
+# DIGEST (the string itself is never in this code), and prints how many it found. A call
+# cannot open its own /proc/self/mem (it is not dumpable): it reads the memory in place.
+IMPORTS = "import ctypes, hashlib, re\n"  # the same in every call: the same zygote
+FIND_EARLIER_CODE = (
+    IMPORTS
+    + """
+found = 0
+for line in open("/proc/self/maps").read().splitlines():
+    fields = line.split()
+    name = fields[5] if len(fields) > 5 else ""
+    if not fields[1].startswith("rw") or name not in ("", "[heap]", "[stack]"):
+        continue
+    start, end = (int(part, 16) for part in fields[0].split("-"))
+    chunk = ctypes.string_at(start, end - start)
+    for run in re.finditer(rb"[0-9a-f]{64,}", chunk):  # every 64 digits of each run
+        digits = run.group()
+        for at in range(len(digits) - 63):
+            found += hashlib.sha256(digits[at : at + 64]).hexdigest() == "DIGEST"
+print(found)
+"""
+)
+
+
+def test_nothing_of_a_call_is_in_the_next_calls_memory(isolated: ServerProcess) -> None:
+    """The next call on the same executor finds nothing of the code before it (a trajectory's
+    hidden tests, another run's data): not in the zygote's request buffer, nor anywhere else
+    in the memory it inherits. The first call is long and names the string at its end, where
+    the shorter calls after it would not overwrite it."""
+    secret = secrets.token_hex(32)
+    first = IMPORTS + "# padding\n" * 2000 + f"hidden_tests = {secret!r}\nprint(1)"
+    assert run(isolated, first).strip() == "1"
+    digest = hashlib.sha256(secret.encode()).hexdigest()
+    # The search works: it finds the string in a call that holds it.
+    holding = f"held = {secret!r}\n" + FIND_EARLIER_CODE.replace("DIGEST", digest)
+    assert int(run(isolated, holding)) >= 1
+    assert run(isolated, FIND_EARLIER_CODE.replace("DIGEST", digest)).strip() == "0"
+
+
+def test_the_names_of_a_calls_files_are_not_in_the_next_calls_memory(
+    isolated: ServerProcess,
+) -> None:
+    """The zygote lists what a call left (its working directory, /tmp) to remove it: the
+    names it read (a file named after an answer) are not in the memory the next call
+    inherits."""
+    seed = secrets.token_hex(16)
+    secret = hashlib.sha256(seed.encode()).hexdigest()  # the name; only the seed is in code
+    made = IMPORTS + (
+        "import os\n"
+        f"name = hashlib.sha256({seed!r}.encode()).hexdigest()\n"
+        "for folder in ('.', '/tmp', 'sub'):\n"
+        "    os.makedirs(folder, exist_ok=True)\n"
+        "    open(os.path.join(folder, name), 'w').close()\n"
+        "print(len(os.listdir('.')))"
+    )
+    assert run(isolated, made).strip() == "2"
+    digest = hashlib.sha256(secret.encode()).hexdigest()
+    assert run(isolated, FIND_EARLIER_CODE.replace("DIGEST", digest)).strip() == "0"

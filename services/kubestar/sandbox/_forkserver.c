@@ -5,7 +5,9 @@
  * allocator pools and frames all over the heap, paid ~170 faults a call on the light zygote.
  * This loop reads the request, forks, watches the call (wall-clock timeout, output caps),
  * reaps it and everything it left behind, answers and cleans up with its own memory only:
- * buffers mapped MADV_DONTFORK (never shared with a call) and its stack.
+ * buffers mapped MADV_DONTFORK (never shared with a call) and its stack. The one buffer a
+ * call shares, the code it runs, is zeroed after each call: a call never finds the code of
+ * the calls before it (another trajectory's hidden tests) in its memory.
  *
  * A forked call sets itself up (process group, standard streams, working directory, rlimits,
  * uid), then compiles and runs its code as a script's `__main__` (`run_code`) and exits: it
@@ -983,6 +985,10 @@ static PyObject *serve(PyObject *module, PyObject *args, PyObject *kwargs) {
         if (child == 0) {
             run_code(server.code.data);
         }
+        /* The next call inherits this buffer (it reads its code from it): nothing of this
+         * call's code may be left in it. */
+        memset(server.code.data, 0, server.code.size + 1);
+        server.code.size = 0;
     }
 }
 
