@@ -156,6 +156,61 @@ def test_files_in_a_private_tmpfs_are_bounded(isolated: ServerProcess, directory
     assert run(isolated, "import os\nprint(len(os.listdir('/dev/shm')))") == "0\n"
 
 
+# Leaves in each of TOPS (its working directory, and /tmp where it is the call's own) a tree
+# deeper than PATH_MAX whose deepest folder holds a file, symlinks to / and to its parent, a
+# folder it locked (mode 0), and is itself read-only.
+DEEP_TREE = """
+import os
+home = os.getcwd()
+for top in TOPS:
+    os.chdir(top)
+    os.mkdir("deep")
+    os.chdir("deep")
+    for _ in range(300):  # 300 x 20 bytes: past PATH_MAX (4096)
+        os.mkdir("d" * 19 + "_")
+        os.chdir("d" * 19 + "_")
+    open("bottom", "w").write("x")
+    os.symlink("/", "to-root")
+    os.symlink("..", "up")
+    os.mkdir("locked")
+    open("locked/inside", "w").write("x")
+    os.chmod("locked", 0)
+    os.chmod(".", 0o500)
+os.chdir(home)
+print(len(os.getcwd()) < 4096)
+"""
+# Without isolation /tmp is the machine's: only the call's own folders are looked at. A call
+# with a uid of its own (a root worker) may not list the folder above its own.
+LOOK_AROUND = """
+import os
+try:
+    above = sorted(os.listdir(".."))
+except PermissionError:
+    above = "not listed"
+print(sorted(os.listdir(".")), above, TMP)
+"""
+
+
+def test_a_tree_deeper_than_path_max_is_removed_after_the_call(isolated: ServerProcess) -> None:
+    """Nothing of it is left for the next call: its working directory and /tmp are as before
+    the call, and no copy of the directory was put aside beside it; /tmp's inodes came back
+    (a flat run of files reaches the same bound as before)."""
+    look = LOOK_AROUND.replace("TMP", 'sorted(os.listdir("/tmp"))')
+    before = run(isolated, look)
+    assert run(isolated, DEEP_TREE.replace("TOPS", '(home, "/tmp")')) == "True\n"
+    assert run(isolated, look) == before
+    made, stopped = run(isolated, MAKE_FILES.replace("DIRECTORY", "'/tmp'")).split()
+    assert stopped == "ENOSPC" and int(made) >= PRIVATE_TMPFS_INODES - 64, made
+    assert run(isolated, look) == before
+
+
+def test_without_isolation_a_deep_tree_is_removed_too(unisolated: ServerProcess) -> None:
+    look = LOOK_AROUND.replace("TMP", '""')
+    before = run(unisolated, look)
+    assert run(unisolated, DEEP_TREE.replace("TOPS", "(home,)")) == "True\n"
+    assert run(unisolated, look) == before
+
+
 def test_a_call_cannot_forge_the_termination_message(
     isolated: ServerProcess, termination_log: Path
 ) -> None:

@@ -12,7 +12,8 @@
  * A forked call sets itself up (process group, standard streams, working directory, rlimits,
  * uid), then compiles and runs its code as a script's `__main__` (`run_code`) and exits: it
  * never returns into Python code of the zygote, whose objects it would write. `serve(...)`
- * returns None in the zygote once the worker closes the control socket. Every call of a
+ * returns None in the zygote once the worker closes the control socket, or after a call that
+ * left what cannot be removed (the zygote exits; the worker starts another). Every call of a
  * zygote runs in the same (fresh, emptied) directory, so HOME, TMPDIR and the import path are
  * set once, not per call.
  *
@@ -29,7 +30,6 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <grp.h>
 #include <poll.h>
 #include <signal.h>
@@ -105,7 +105,7 @@ typedef struct {
 
 typedef struct {
     char path[PATH_MAX];
-    const char *keep[MAX_KEEP];
+    const char *keep[MAX_KEEP]; /* names in it */
     int keep_count;
 } private_dir_t;
 
@@ -120,7 +120,8 @@ typedef struct {
     private_dir_t *private_dirs;
     int private_dir_count;
     unsigned long calls;
-    buffer_t code, input, out, err, spill;
+    int retire; /* a call left what could not be removed: serve no other call */
+    buffer_t code, input, out, err, spill, listing;
 } server_t;
 
 static double now_seconds(void) {
@@ -365,52 +366,197 @@ static void __attribute__((noreturn)) run_code(const char *code) {
 
 /* -------------------------------------------------------------- cleaning up after a call */
 
-static int remove_entry(const char *path, const struct stat *info, int kind, struct FTW *where) {
-    (void)info;
-    (void)where;
-    if (kind == FTW_DP) {
-        rmdir(path);
-    } else {
-        unlink(path);
+struct kernel_dirent {
+    uint64_t d_ino;
+    int64_t d_off;
+    unsigned short d_reclen;
+    unsigned char d_type;
+    char d_name[];
+};
+
+/* The next entry of the directory open at `fd` but "." and "..", read with getdents64 into
+ * `scratch` (a call never inherits it, so it never finds the names read there); `*at` and
+ * `*filled` start at 0. 1: an entry, 0: the end, -1: an error. */
+static int next_entry(int fd, buffer_t *scratch, size_t *at, size_t *filled,
+                      struct kernel_dirent **entry) {
+    for (;;) {
+        if (*at >= *filled) {
+            long got = syscall(SYS_getdents64, fd, scratch->data, scratch->capacity);
+            if (got <= 0) {
+                return got == 0 ? 0 : -1;
+            }
+            *at = 0;
+            *filled = (size_t)got;
+        }
+        *entry = (struct kernel_dirent *)(scratch->data + *at);
+        *at += (*entry)->d_reclen;
+        const char *name = (*entry)->d_name;
+        if (strcmp(name, ".") != 0 && strcmp(name, "..") != 0) {
+            return 1;
+        }
     }
-    return 0;
 }
 
-/* Never follows symlinks, nor crosses into another mount. */
-static void remove_tree(const char *path) {
-    nftw(path, remove_entry, 16, FTW_DEPTH | FTW_PHYS | FTW_MOUNT);
+static int same_file(const struct stat *a, const struct stat *b) {
+    return a->st_dev == b->st_dev && a->st_ino == b->st_ino;
 }
 
-static void empty_directory(const private_dir_t *dir) {
-    DIR *listing = opendir(dir->path);
-    if (listing == NULL) {
-        return;
+/* The subdirectory `name` of `parent`, opened to be emptied: never through a symlink, never
+ * on another filesystem than `home` (a mount), made writable (a call may have taken away
+ * its own permissions; the zygote owns or may change what its calls made). */
+static int enter(int parent, const char *name, const struct stat *home) {
+    int fd = openat(parent, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0 && errno == EACCES && fchmodat(parent, name, 0700, 0) == 0) {
+        fd = openat(parent, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     }
-    struct dirent *entry;
-    char full[PATH_MAX];
-    while ((entry = readdir(listing)) != NULL) {
-        if (strcmp(entry->d_name, ".") == 0 || strcmp(entry->d_name, "..") == 0) {
-            continue;
-        }
-        int length = snprintf(full, sizeof full, "%s/%s", dir->path, entry->d_name);
-        if (length < 0 || (size_t)length >= sizeof full) {
-            continue; /* cut short, it would name another entry */
-        }
-        int kept = 0;
-        for (int i = 0; i < dir->keep_count && !kept; i++) {
-            kept = strcmp(full, dir->keep[i]) == 0;
-        }
-        if (kept) {
-            continue;
-        }
+    struct stat info;
+    if (fd >= 0 && (fstat(fd, &info) != 0 || info.st_dev != home->st_dev || fchmod(fd, 0700))) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* Removes the subdirectory of `parent` that is `child` (by its device and inode: the walk
+ * below keeps no names). */
+static int remove_subdirectory(int parent, const struct stat *child, buffer_t *scratch) {
+    size_t at = 0, filled = 0;
+    struct kernel_dirent *entry;
+    int got;
+    while ((got = next_entry(parent, scratch, &at, &filled, &entry)) > 0) {
         struct stat info;
-        if (lstat(full, &info) == 0 && S_ISDIR(info.st_mode)) {
-            remove_tree(full);
-        } else {
-            unlink(full);
+        if (entry->d_type != DT_DIR && entry->d_type != DT_UNKNOWN) {
+            continue;
+        }
+        if (fstatat(parent, entry->d_name, &info, AT_SYMLINK_NOFOLLOW) == 0 &&
+            same_file(&info, child)) {
+            return unlinkat(parent, entry->d_name, AT_REMOVEDIR);
         }
     }
-    closedir(listing);
+    return -1;
+}
+
+/* Empties the directory open at `top` (left open), depth first and by file descriptor only:
+ * no path is ever built, so no tree is too deep to remove, and one descriptor is open at a
+ * time (a subdirectory is entered, emptied, left through "..", and removed from its parent).
+ * Symlinks are removed, never followed; another filesystem (a mount) is not entered. Every
+ * process of the call is gone by now, so nothing moves under the walk. Returns 0 when `top`
+ * is empty, -1 at the first thing that cannot be removed. */
+static int empty_tree(int top, buffer_t *scratch) {
+    struct stat home;
+    int current = openat(top, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC); /* its own offset */
+    if (current < 0 || fstat(top, &home) != 0) {
+        goto failed;
+    }
+    for (;;) {
+        struct stat here;
+        if (fstat(current, &here) != 0) {
+            goto failed;
+        }
+        size_t at = 0, filled = 0;
+        struct kernel_dirent *entry;
+        int got, entered = 0;
+        while (!entered && (got = next_entry(current, scratch, &at, &filled, &entry)) > 0) {
+            int is_dir = entry->d_type == DT_DIR;
+            if (entry->d_type == DT_UNKNOWN) {
+                struct stat info;
+                if (fstatat(current, entry->d_name, &info, AT_SYMLINK_NOFOLLOW) != 0) {
+                    goto failed;
+                }
+                is_dir = S_ISDIR(info.st_mode);
+            }
+            if (!is_dir) {
+                if (unlinkat(current, entry->d_name, 0) != 0) {
+                    goto failed;
+                }
+            } else if (unlinkat(current, entry->d_name, AT_REMOVEDIR) != 0) {
+                int child = enter(current, entry->d_name, &home);
+                if (child < 0) {
+                    goto failed;
+                }
+                close(current);
+                current = child;
+                entered = 1;
+            }
+        }
+        if (entered) {
+            continue;
+        }
+        if (got < 0) {
+            goto failed;
+        }
+        if (same_file(&here, &home)) {
+            close(current);
+            return 0;
+        }
+        int parent = openat(current, "..", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        close(current);
+        current = parent;
+        if (current < 0 || remove_subdirectory(current, &here, scratch) != 0) {
+            goto failed;
+        }
+    }
+failed:
+    if (current >= 0) {
+        close(current);
+    }
+    return -1;
+}
+
+/* Removes the directory `path` and everything in it; 0 when it is gone. */
+static int remove_tree(const char *path, buffer_t *scratch) {
+    int fd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0 && errno == EACCES && chmod(path, 0700) == 0) {
+        fd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    }
+    if (fd < 0) {
+        return errno == ENOENT ? 0 : -1;
+    }
+    int emptied = fchmod(fd, 0700) == 0 && empty_tree(fd, scratch) == 0;
+    close(fd);
+    return emptied && rmdir(path) == 0 ? 0 : -1;
+}
+
+/* Empties a private directory (/tmp, /dev/shm, ...) but what it keeps; 0 when nothing else
+ * is left. */
+static int empty_directory(const private_dir_t *dir, buffer_t *scratch) {
+    int fd = open(dir->path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    struct stat home;
+    if (fd < 0 || fstat(fd, &home) != 0) {
+        if (fd >= 0) {
+            close(fd);
+        }
+        return -1;
+    }
+    int failed = 0;
+    for (int restart = 1; restart && !failed;) {
+        /* From the start again after each subdirectory: emptying it reused `scratch`. */
+        restart = 0;
+        lseek(fd, 0, SEEK_SET);
+        size_t at = 0, filled = 0;
+        struct kernel_dirent *entry;
+        int got = 0;
+        while (!restart && !failed && (got = next_entry(fd, scratch, &at, &filled, &entry)) > 0) {
+            int kept = 0;
+            for (int i = 0; i < dir->keep_count && !kept; i++) {
+                kept = strcmp(entry->d_name, dir->keep[i]) == 0;
+            }
+            if (kept || unlinkat(fd, entry->d_name, 0) == 0 ||
+                unlinkat(fd, entry->d_name, AT_REMOVEDIR) == 0) {
+                continue;
+            }
+            int child = enter(fd, entry->d_name, &home);
+            failed = child < 0 || empty_tree(child, scratch) != 0;
+            if (child >= 0) {
+                close(child);
+            }
+            failed = failed || unlinkat(fd, entry->d_name, AT_REMOVEDIR) != 0;
+            restart = 1;
+        }
+        failed = failed || got < 0;
+    }
+    close(fd);
+    return failed ? -1 : 0;
 }
 
 /* The *_STAT_ANY commands (Linux 4.17) read an object whatever its mode: a call may create
@@ -714,22 +860,9 @@ static int read_output(int fd, buffer_t *buffer, buffer_t *spill, size_t cap, in
     return got > 0; /* 0: end of file (or a broken pipe) */
 }
 
-/* A fresh directory at the call's path. What a call left there that could not be removed
- * (a directory it made unreadable) is moved aside, never handed to the next call. */
+/* A fresh directory at the call's path (the last call's was removed, or its zygote retired). */
 static int make_workdir(server_t *server) {
-    const char *workdir = server->workdir;
-    if (mkdir(workdir, 0700) == 0) {
-        return 0;
-    }
-    if (errno != EEXIST) {
-        return -1;
-    }
-    char aside[PATH_MAX + 32];
-    snprintf(aside, sizeof aside, "%s.left-%lu", workdir, server->calls);
-    if (rename(workdir, aside) != 0) {
-        return -1;
-    }
-    return mkdir(workdir, 0700);
+    return mkdir(server->workdir, 0700);
 }
 
 /* Runs one call; returns 0, or -1 with errno set when the zygote itself failed. */
@@ -867,11 +1000,15 @@ static int run_call(server_t *server, const struct request_header *request, pid_
     kill_leftovers(server);
     int answered = write_all(server->fd, parts, 3);
     int answer_error = errno;
-    if (rmdir(workdir) != 0) { /* most calls write no files: one syscall */
-        remove_tree(workdir);
+    /* Most calls write no files: one syscall. What cannot be removed retires the zygote
+     * after this call: nothing a call left is ever handed to the next. */
+    if (rmdir(workdir) != 0 && remove_tree(workdir, &server->listing) != 0) {
+        server->retire = 1;
     }
     for (int i = 0; i < server->private_dir_count; i++) {
-        empty_directory(&server->private_dirs[i]);
+        if (empty_directory(&server->private_dirs[i], &server->listing) != 0) {
+            server->retire = 1;
+        }
     }
     /* Private directories mean an isolated executor, with an IPC namespace of its own;
      * without one the objects are the host's, not the call's. */
@@ -944,7 +1081,12 @@ static PyObject *serve(PyObject *module, PyObject *args, PyObject *kwargs) {
                 Py_DECREF(entries);
                 return NULL;
             }
-            dir->keep[dir->keep_count++] = strdup(entry);
+            /* Kept: an entry of the directory itself, by its name there. */
+            size_t length = strlen(dir->path);
+            if (strncmp(entry, dir->path, length) == 0 && entry[length] == '/' &&
+                entry[length + 1] != '\0' && strchr(entry + length + 1, '/') == NULL) {
+                dir->keep[dir->keep_count++] = strdup(entry + length + 1);
+            }
         }
         Py_DECREF(entries);
     }
@@ -952,7 +1094,8 @@ static PyObject *serve(PyObject *module, PyObject *args, PyObject *kwargs) {
         return NULL;
     }
     server.code.shared = 1; /* the call reads its code from here */
-    if (buffer_reserve(&server.spill, READ_CHUNK) != 0) {
+    if (buffer_reserve(&server.spill, READ_CHUNK) != 0 ||
+        buffer_reserve(&server.listing, READ_CHUNK) != 0) {
         return PyErr_SetFromErrno(PyExc_OSError);
     }
 
@@ -989,6 +1132,9 @@ static PyObject *serve(PyObject *module, PyObject *args, PyObject *kwargs) {
          * call's code may be left in it. */
         memset(server.code.data, 0, server.code.size + 1);
         server.code.size = 0;
+        if (server.retire) {
+            Py_RETURN_NONE; /* the worker starts another zygote in its place */
+        }
     }
 }
 
