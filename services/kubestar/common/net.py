@@ -1,5 +1,5 @@
-"""Services on this machine: a free port to bind, an address checked before a server binds
-it, and waiting until a gRPC server serves.
+"""Services on this machine: a free port to bind (below the kernel's ephemeral range), an
+address checked before a server binds it, and waiting until a gRPC server serves.
 
 Used wherever kubestar starts its own services as local processes (`kubestar train -f`,
 `kubestar eval`) and by the tests and benchmarks that do the same.
@@ -8,6 +8,7 @@ Used wherever kubestar starts its own services as local processes (`kubestar tra
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import subprocess
 import time
@@ -19,13 +20,37 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kubestar.api.errors import KubestarError
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
+# The servers kubestar starts on this machine take ports below the kernel's ephemeral range
+# (32768-60999 by default) and below Kubernetes' NodePorts (30000-32767): between choosing a
+# port and binding it (an engine binds after loading its model, tens of seconds later), a
+# port there cannot be handed to another process's bind to port 0 (Ray's processes make
+# dozens) or to an outgoing connection.
+SERVER_PORTS = range(20000, 30000)
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on now (the kernel's choice; bind it soon)."""
+    """A TCP port nothing listens on now, from SERVER_PORTS below the kernel's ephemeral
+    range (the kernel's choice where that range leaves none free); bind it soon."""
+    ports = range(SERVER_PORTS.start, min(SERVER_PORTS.stop, _ephemeral_start()))
+    for port in random.sample(ports, min(64, len(ports))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+        chosen: int = sock.getsockname()[1]
+        return chosen
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(EPHEMERAL_PORTS.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 class CannotListen(KubestarError, OSError):
