@@ -317,4 +317,15 @@ class LocalStack:
         try:
             wait_serving(endpoint, process, what=name, timeout=timeout, log=log)
         except (RuntimeError, TimeoutError) as error:
-            raise ServiceFailed(f"{error}\n{log_tail(log)}") from None
+            raise ServiceFailed(f"{error}\n{log_tail(log)}{self._engines_gone()}") from None
+
+    def _engines_gone(self) -> str:
+        """Engines that exited after they were found ready (a scheduler waits for them in
+        vain), each with the end of its log."""
+        gone = [
+            f"\nengine {index} exited with {engine.process.returncode}; see {engine.log_path}"
+            f"\n{log_tail(engine.log_path)}"
+            for index, engine in enumerate(self.engines)
+            if engine.process is not None and engine.process.poll() is not None
+        ]
+        return "".join(gone)
