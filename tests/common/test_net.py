@@ -3,6 +3,7 @@ range, so that no other process's bind to port 0 takes one before its server bin
 
 from __future__ import annotations
 
+import collections
 import socket
 from pathlib import Path
 
@@ -37,6 +38,18 @@ def test_ports_taken_by_port_zero_binds_are_never_chosen() -> None:
     finally:
         for sock in taken:
             sock.close()
+
+
+def test_a_port_handed_out_is_not_handed_out_again_before_it_is_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stack chooses all its ports before its engines bind theirs."""
+    monkeypatch.setattr(
+        net, "SERVER_PORTS", range(net.SERVER_PORTS.start, net.SERVER_PORTS.start + 8)
+    )
+    monkeypatch.setattr(net, "_handed_out", collections.deque(maxlen=1000))
+    chosen = [net.free_port() for _ in range(8)]
+    assert sorted(chosen) == list(net.SERVER_PORTS)
 
 
 def test_a_taken_port_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:

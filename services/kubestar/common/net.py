@@ -7,6 +7,7 @@ Used wherever kubestar starts its own services as local processes (`kubestar tra
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import random
 import socket
@@ -27,19 +28,26 @@ from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 # dozens) or to an outgoing connection.
 SERVER_PORTS = range(20000, 30000)
 EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+# Ports this process handed out lately, not bound yet perhaps (a stack chooses all its ports
+# before its engines bind theirs): not handed out again.
+_handed_out: collections.deque[int] = collections.deque(maxlen=1000)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on now, from SERVER_PORTS below the kernel's ephemeral
-    range (the kernel's choice where that range leaves none free); bind it soon."""
+    """A TCP port nothing listens on now and not handed out lately by this process, from
+    SERVER_PORTS below the kernel's ephemeral range (the kernel's choice where that range
+    leaves none free); bind it soon."""
     ports = range(SERVER_PORTS.start, min(SERVER_PORTS.stop, _ephemeral_start()))
     for port in random.sample(ports, min(64, len(ports))):
+        if port in _handed_out:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((host, port))
             except OSError:
                 continue
-            return port
+        _handed_out.append(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         chosen: int = sock.getsockname()[1]
